@@ -1,0 +1,45 @@
+"""What the sitecustomize hook runs in every Python process that has it on PYTHONPATH.
+
+Inert (imports nothing heavy, patches nothing) unless capture is opted into with
+HSCAP_DIR. Then it fixes one run id for the whole server (children inherit the
+environment through multiprocessing spawn) and registers lazy wrapt post-import
+hooks: torch and the writer load only in processes that import the model module,
+whether SGLang was imported before or after this runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import config
+from .layout import new_run_id
+
+PREFLIGHT_MODULE = "sglang.srt.server_args"
+
+
+def run() -> bool:
+    """Returns True when hooks were registered."""
+    if not config.is_enabled():
+        return False
+    if not os.environ.get("HSCAP_RUN_ID"):
+        os.environ["HSCAP_RUN_ID"] = new_run_id()
+    import wrapt
+
+    from .targets import TARGETS
+
+    # Fail fast in the launching process, before any model loads.
+    wrapt.register_post_import_hook("hs_capture.bootstrap:preflight", PREFLIGHT_MODULE)
+    for target in TARGETS:
+        wrapt.register_post_import_hook("hs_capture.instrumentor:on_import", target.module)
+    return True
+
+
+def preflight(module: object = None) -> None:
+    """Check the settings that need no model (syntax, writable dir) as soon as SGLang's
+    server arguments load; a bad one stops the server with one line, before hours of
+    serving with no capture."""
+    try:
+        cfg = config.load()
+        config.check_dump_dir(cfg.dump_dir)
+    except config.ConfigError as e:
+        raise SystemExit(f"[HS_DUMP] ERROR: {e}") from None

@@ -1,0 +1,266 @@
+"""What to take from a DeepSeek forward, and how to hand SGLang back what it expects.
+
+Patching lives in instrumentor.py; this module is the logic behind the two wrappers:
+`setup_model` (after `DeepseekV2ForCausalLM.__init__`) and `ModelCapture.forward`
+(around `DeepseekV2Model.forward`). SGLang's own capture does the work on the GPU:
+`model.layers_to_capture` makes the forward return `(hidden, aux)`, taken after the
+fused all-reduce, so it is right under TP > 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import __version__, config as config_mod
+from .config import CaptureConfig, ConfigError
+from .log import get_logger
+from .sglang_compat import parallel_info, prefill_graph_state, relevant_flags, server_args, sglang_version
+from .writer import ShardWriter, dtype_name
+
+log = get_logger()
+
+# Real prefill only: not decode, idle, verify or draft passes (their tokens are not the prompt's).
+CAPTURED_MODES = frozenset({"EXTEND", "MIXED"})
+LAYER_CONVENTION = "entering: index i = residual stream entering decoder layer i = transformers hidden_states[i]"
+_ERROR_LOG_EVERY = 100
+_writers: "weakref.WeakSet[ShardWriter]" = weakref.WeakSet()
+
+
+class ModelCapture:
+    """Per-`DeepseekV2Model` state. Kept in the instance __dict__ as `_hscap_state`."""
+
+    def __init__(self, layers: List[int], host_layers: List[int], hidden_size: int,
+                 writer: Optional[ShardWriter], parent: Any) -> None:
+        self.layers = layers
+        self.host_layers = host_layers  # what SGLang itself asked for (EAGLE-3, DFlash)
+        self.host_flag = bool(getattr(parent, "capture_aux_hidden_states", False))
+        self.hidden_size = hidden_size
+        self.writer = writer
+        self._parent = weakref.ref(parent)
+        self._last_set: Optional[List[int]] = None
+        self.errors = 0
+        self.steps = 0
+
+    # The host may call set_eagle3_layers_to_capture after us: a list we did not set is theirs.
+    def _sync_host(self, current: List[int]) -> None:
+        if self._last_set is not None and list(current) != self._last_set:
+            self.host_layers = sorted(set(current))
+
+    def layers_for(self, model: Any, capturing: bool) -> List[int]:
+        self._sync_host(model.layers_to_capture)
+        want = sorted(set(self.host_layers) | set(self.layers)) if capturing else list(self.host_layers)
+        model.layers_to_capture = want
+        self._last_set = want
+        return want
+
+    def forward(self, wrapped, model: Any, args: tuple, kwargs: dict):
+        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+        mode = getattr(getattr(fb, "forward_mode", None), "name", None)
+        capturing = self.writer is not None and mode in CAPTURED_MODES
+        try:
+            current = self.layers_for(model, capturing)
+        except Exception as e:  # never let bookkeeping break serving
+            self._error("layer bookkeeping", e)
+            capturing, current = False, list(model.layers_to_capture)
+        out = wrapped(*args, **kwargs)
+        hidden, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        if capturing and aux is not None:
+            try:
+                self._capture(fb, mode, hidden, aux, current)
+            except Exception as e:
+                self._error("capture", e)
+        return self._host_output(hidden, aux, current)
+
+    def _host_output(self, hidden: Any, aux: Any, current: List[int]):
+        """Exactly what the CausalLM would get without us."""
+        parent = self._parent()
+        wants_tuple = bool(getattr(parent, "capture_aux_hidden_states", False))
+        if not wants_tuple:
+            return hidden
+        if aux is None or not self.host_layers:
+            return hidden, None
+        if current == self.host_layers:
+            return hidden, aux
+        idx = [current.index(i) for i in self.host_layers]
+        if isinstance(aux, torch.Tensor):
+            h = self.hidden_size
+            return hidden, torch.cat([aux[..., j * h:(j + 1) * h] for j in idx], dim=-1)
+        return hidden, [aux[j] for j in idx]
+
+    def _capture(self, fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int]) -> None:
+        seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
+        prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
+        rids = getattr(fb, "rids", None)
+        rids = [None if r is None else str(r) for r in rids] if rids is not None else [None] * len(seq_lens)
+        if not (len(rids) == len(seq_lens) == len(prefix)):
+            raise ValueError(f"batch of {len(seq_lens)} sequences carries {len(rids)} rids")
+        n = sum(seq_lens)  # rows past n are padding (DP attention, graphs)
+        if hidden.shape[0] < n:
+            raise ValueError(f"final state has {hidden.shape[0]} rows for {n} tokens")
+        h = self.hidden_size
+        tensors: Dict[str, torch.Tensor] = {
+            "final": hidden[:n],
+            "tokens": fb.input_ids[:n],
+            "positions": fb.positions[:n],
+        }
+        aux_layers: List[int] = []
+        if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
+            if aux.shape[-1] != h * len(current):
+                raise ValueError(f"aux is {tuple(aux.shape)}, expected {len(current)} x {h} columns")
+            if current == self.layers:
+                tensors["aux"], aux_layers = aux[:n], list(current)
+            else:
+                for layer in self.layers:
+                    j = current.index(layer)
+                    tensors[f"L{layer:02d}"] = aux[:n, j * h:(j + 1) * h]
+        else:  # up to 0.5.15: a list of [T, H] tensors in layer order
+            if len(aux) != len(current):
+                raise ValueError(f"{len(aux)} aux tensors for layers {current}")
+            for layer in self.layers:
+                tensors[f"L{layer:02d}"] = aux[current.index(layer)][:n]
+        offsets, acc = [], 0
+        for length in seq_lens:
+            offsets.append(acc)
+            acc += length
+        meta = {
+            "mode": mode,
+            "num_tokens": n,
+            "rows": int(hidden.shape[0]),
+            "dtype": dtype_name(hidden.dtype),
+            "seqs": [{"rid": r, "len": ln, "prefix": p, "offset": o}
+                     for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)],
+        }
+        self.writer.submit(meta, tensors, aux_layers)
+        self.steps += 1
+        if self.steps == 1:
+            log.info("rank %s: first prefill captured (%d tokens, %d sequences, %s)",
+                     self.writer.rank.tag, n, len(seq_lens), meta["dtype"])
+
+    def _error(self, what: str, e: BaseException) -> None:
+        self.errors += 1
+        if self.errors == 1 or self.errors % _ERROR_LOG_EVERY == 0:
+            log.error("%s failed (%d so far), serving continues: %s: %s", what, self.errors, type(e).__name__, e)
+
+    def restore(self, model: Any) -> None:
+        """Give SGLang back the capture settings it had before us."""
+        model.layers_to_capture = list(self.host_layers)
+        parent = self._parent()
+        if parent is not None:
+            parent.capture_aux_hidden_states = self.host_flag or bool(self.host_layers)
+
+
+def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
+    """Turn capture on for a freshly built CausalLM. ConfigError stops the server."""
+    model = getattr(causal_lm, "model", None)
+    if model is None or not hasattr(model, "layers_to_capture"):
+        log.info("%s has no layers_to_capture (a NextN/MTP draft?): not captured", type(causal_lm).__name__)
+        return None
+    par = parallel_info(getattr(causal_lm, "pp_group", None))
+    if not par.is_last_pp_rank:
+        log.info("pp rank %d is not the last stage: it holds no captures", par.rank.pp)
+        return None
+    cfg = config_mod.load()
+    num_layers = int(hf_config.num_hidden_layers)
+    layers = config_mod.resolve_layers(cfg.layers, num_layers)
+    args = server_args()
+    graph = prefill_graph_state(args)
+    if graph is not None:
+        raise ConfigError(
+            f"prefill CUDA graphs are on ({graph}): the forward hook would run only at graph capture and "
+            "captures would silently vanish; restart with --disable-prefill-cuda-graph "
+            "(or --cuda-graph-backend-prefill=disabled / --disable-cuda-graph), or use bin/hscap-serve"
+        )
+    writer = None
+    if par.writes:
+        config_mod.check_dump_dir(cfg.run_dir)
+        writer = ShardWriter(cfg, par.rank, _run_meta(cfg, hf_config, layers, args, par))
+        writer.start()
+        _writers.add(writer)
+        _install_shutdown()
+    state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm)
+    model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
+    state.layers_for(model, capturing=True)
+    causal_lm.capture_aux_hidden_states = True
+    where = f"writing {cfg.run_dir} as {par.rank.tag}" if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
+    log.info("%s: layers_to_capture=%s (%s); final state post-norm; %s",
+             type(causal_lm).__name__, layers, "entering-layer convention", where)
+    log.info("CausalLM: capture_aux_hidden_states=True")
+    return state
+
+
+def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, par: Any) -> Dict[str, Any]:
+    flags = relevant_flags(args)
+    return {
+        "run_id": cfg.run_id,
+        "hs_capture_version": __version__,
+        "sglang_version": sglang_version(),
+        "torch_version": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "model_path": flags.get("model_path"),
+        "architectures": list(getattr(hf_config, "architectures", None) or []),
+        "model_type": getattr(hf_config, "model_type", None),
+        "num_layers": int(hf_config.num_hidden_layers),
+        "hidden_size": int(hf_config.hidden_size),
+        "dtype_requested": flags.get("dtype"),
+        "layers": layers,
+        "layer_convention": LAYER_CONVENTION,
+        "sglang_layers_to_capture": layers,
+        "final_state": "post_norm",
+        "parallel": par.as_dict(),
+        "server_flags": flags,
+        "codec": cfg.codec,
+        "level": cfg.level,
+        "on_full": cfg.on_full,
+    }
+
+
+# ----------------------------------------------------------------- shutdown
+_shutdown_installed = False
+
+
+def close_all(timeout: float = 600.0) -> None:
+    for w in list(_writers):
+        done = w.close(timeout)
+        s = w.stats
+        log.info("rank %s: closed%s: %d steps, %d tokens, %.1f MB raw -> %.1f MB on disk, %d dropped, %d failed",
+                 w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
+                 s["tokens_written"], s["raw_bytes"] / 1e6, s["file_bytes"] / 1e6,
+                 s["steps_dropped"], s["steps_failed"])
+
+
+def _install_shutdown() -> None:
+    """Flush on normal exit and on SIGTERM (then hand the signal to whoever had it)."""
+    global _shutdown_installed
+    if _shutdown_installed:
+        return
+    _shutdown_installed = True
+    atexit.register(close_all)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except Exception:
+        return
+
+    def on_sigterm(signum, frame):
+        close_all(float(os.environ.get("HSCAP_FLUSH_TIMEOUT_S", "120")))
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except Exception as e:
+        log.warning("could not install the SIGTERM flush: %s", e)

@@ -1,0 +1,137 @@
+"""Capture settings, read from the environment once per process.
+
+Every variable is documented in README.md. Parsing errors raise ConfigError, whose
+message is the one line the server prints before it refuses to start.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Mapping, Optional
+
+DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deployment's name
+ON_FULL_POLICIES = ("block", "drop")
+
+
+class ConfigError(ValueError):
+    """A setting that must stop the server at start rather than serve without capture."""
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    dump_dir: str
+    run_id: str
+    layers: Optional[List[int]] = None  # None: the model's EAGLE-3 default
+    codec: str = "zstd"
+    level: int = 1
+    writer_threads: int = 2
+    max_inflight_bytes: int = 4 << 30
+    on_full: str = "block"
+    fsync: bool = True
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.dump_dir, self.run_id)
+
+
+def dump_dir_from_env(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    for name in DIR_VARS:
+        value = env.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def is_enabled(env: Mapping[str, str] = os.environ) -> bool:
+    """Capture is opted into with HSCAP_DIR; HSCAP_DISABLE=1 is the kill switch."""
+    return dump_dir_from_env(env) is not None and env.get("HSCAP_DISABLE", "") not in ("1", "true", "yes")
+
+
+def parse_layers(text: str) -> Optional[List[int]]:
+    """'2,30,58' -> [2, 30, 58]; '' or 'default' -> None. Sorted, no duplicates."""
+    text = text.strip()
+    if text in ("", "default"):
+        return None
+    out = []
+    for part in text.replace(" ", "").split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise ConfigError(f"HSCAP_LAYERS={text!r}: {part!r} is not a layer index") from None
+        if value < 0:
+            raise ConfigError(f"HSCAP_LAYERS={text!r}: layer indices are >= 0")
+        out.append(value)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"HSCAP_LAYERS={text!r}: a layer is listed twice")
+    return sorted(out)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value} is outside [{low}, {high}]")
+    return value
+
+
+def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
+    dump_dir = dump_dir_from_env(env)
+    if dump_dir is None:
+        raise ConfigError("HSCAP_DIR is not set")
+    run_id = env.get("HSCAP_RUN_ID", "").strip()
+    if not run_id:
+        raise ConfigError("HSCAP_RUN_ID is not set (the bootstrap sets it in the launching process)")
+    codec = env.get("HSCAP_CODEC", "zstd").strip() or "zstd"
+    if codec not in ("zstd", "raw"):
+        raise ConfigError(f"HSCAP_CODEC={codec!r}: choose zstd or raw")
+    on_full = env.get("HSCAP_ON_FULL", "block").strip() or "block"
+    if on_full not in ON_FULL_POLICIES:
+        raise ConfigError(f"HSCAP_ON_FULL={on_full!r}: choose block (lossless) or drop (counted)")
+    return CaptureConfig(
+        dump_dir=os.path.abspath(dump_dir),
+        run_id=run_id,
+        layers=parse_layers(env.get("HSCAP_LAYERS", "")),
+        codec=codec,
+        level=_int(env, "HSCAP_LEVEL", 1, -7, 22),
+        writer_threads=_int(env, "HSCAP_WRITER_THREADS", 2, 1, 64),
+        max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
+        on_full=on_full,
+        fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
+    )
+
+
+def check_dump_dir(path: str) -> None:
+    """Make the dump dir (and prove it writable) or raise ConfigError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".hscap-probe-{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"dump dir {path!r} is not writable: {e.strerror or e}") from None
+
+
+def resolve_layers(requested: Optional[List[int]], num_layers: int) -> List[int]:
+    """The layers to capture in the entering-layer convention, checked against the model.
+
+    Index i is the residual stream entering decoder layer i (transformers'
+    hidden_states[i]); the final state is always captured separately. The default
+    is SGLang's EAGLE-3 default [2, N//2, N-3], deduplicated for tiny models.
+    """
+    if requested is None:
+        return sorted({min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
+    bad = [i for i in requested if not 1 <= i < num_layers]
+    if bad:
+        raise ConfigError(
+            f"HSCAP_LAYERS has {bad} outside 1..{num_layers - 1} for this {num_layers}-layer model "
+            f"(index i = input of decoder layer i; the final state is always captured)"
+        )
+    return list(requested)

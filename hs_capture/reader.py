@@ -1,0 +1,136 @@
+"""Offline access to a dump: runs, index lines, step tensors, and requests stitched
+back together by (rid, position). Never imports sglang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+
+from . import format as fmt
+from .layout import TENSOR_SUFFIX
+
+
+class DumpError(Exception):
+    """A dump that cannot be read as asked; the message names the file."""
+
+
+@dataclass
+class Run:
+    path: str
+    ranks: Dict[str, dict]  # rank tag -> run metadata
+
+    @property
+    def meta(self) -> dict:
+        return next(iter(self.ranks.values()))
+
+    @property
+    def layers(self) -> List[int]:
+        return list(self.meta["layers"])
+
+    def index(self, rank: str) -> Iterator[dict]:
+        """Index lines of one rank, in file order; a torn last line (crash) is skipped."""
+        path = os.path.join(self.path, "index", rank + ".jsonl")
+        if not os.path.exists(path):
+            return
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return
+                yield json.loads(raw)
+
+    def read_part(self, line: dict, part: str) -> Dict[str, np.ndarray]:
+        """All tensors of one step's part file ("final", "L03", ...) as numpy arrays."""
+        rel = line["files"][part]["path"]
+        path = os.path.join(self.path, rel)
+        try:
+            with open(path, "rb") as f:
+                header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+                return {name: fmt.to_numpy(fmt.read_tensor_bytes(f, header, name), e.dtype, e.shape)
+                        for name, e in header.tensors.items()}
+        except (OSError, fmt.FormatError) as e:
+            raise DumpError(f"{rel}: {e}") from None
+
+
+def open_runs(dump_dir: str) -> List[Run]:
+    """Every run under a dump dir (or the run dir itself)."""
+    candidates = [dump_dir] + sorted(
+        os.path.join(dump_dir, d) for d in os.listdir(dump_dir) if os.path.isdir(os.path.join(dump_dir, d))
+    )
+    runs = []
+    for path in candidates:
+        rdir = os.path.join(path, "ranks")
+        if not os.path.isdir(rdir):
+            continue
+        ranks = {}
+        for name in sorted(os.listdir(rdir)):
+            if name.endswith(".json") and not name.startswith("."):
+                with open(os.path.join(rdir, name)) as f:
+                    ranks[name[:-5]] = json.load(f)
+        if ranks:
+            runs.append(Run(path, ranks))
+    return runs
+
+
+@dataclass
+class Sample:
+    """One request stitched across chunks and steps: arrays indexed by position."""
+
+    rid: str
+    input_ids: np.ndarray
+    layers: Dict[int, np.ndarray]
+    final: np.ndarray
+    covered: np.ndarray = field(repr=False)  # bool per position
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.covered.all())
+
+
+def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
+    """Reassemble every request of one writing rank (in memory: for tests and small dumps)."""
+    rank = rank or next(iter(run.ranks))
+    pieces: Dict[str, list] = {}
+    for line in run.index(rank):
+        if "files" not in line:
+            continue
+        parts = {p: run.read_part(line, p) for p in line["files"]}
+        final = parts["final"]
+        for seq in line["seqs"]:
+            a, n = seq["offset"], seq["len"]
+            rows = slice(a, a + n)
+            pieces.setdefault(seq["rid"], []).append((
+                final["positions"][rows],
+                final["input_ids"][rows],
+                final["hidden"][rows],
+                {int(p[1:]): parts[p]["hidden"][rows] for p in parts if p.startswith("L")},
+            ))
+    out = {}
+    for rid, chunks in pieces.items():
+        length = int(max(int(c[0].max()) for c in chunks if len(c[0])) + 1)
+        h = chunks[0][2].shape[-1]
+        ids = np.zeros(length, dtype=np.int64)
+        final = np.zeros((length, h), dtype=np.float32)
+        layers = {k: np.zeros((length, h), dtype=np.float32) for k in chunks[0][3]}
+        covered = np.zeros(length, dtype=bool)
+        for pos, tok, fin, lay in chunks:
+            if covered[pos].any():
+                raise DumpError(f"rid {rid!r}: positions captured twice")
+            covered[pos] = True
+            ids[pos] = tok
+            final[pos] = fin
+            for k, v in lay.items():
+                layers[k][pos] = v
+        out[rid] = Sample(rid, ids, layers, final, covered)
+    return out
+
+
+def tensor_files(run_path: str) -> Iterator[str]:
+    for root, _, names in os.walk(os.path.join(run_path, "data")):
+        for name in names:
+            if name.endswith(TENSOR_SUFFIX):
+                yield os.path.join(root, name)

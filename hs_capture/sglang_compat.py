@@ -1,0 +1,155 @@
+"""What hs_capture reads from SGLang's runtime, found by feature detection (never by
+version string): ranks, server flags, prefill CUDA-graph state. Every probe is
+guarded: a missing helper means "try the next one", never an exception into the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+from .layout import RankId
+
+
+def sglang_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "unknown"
+
+
+def _call(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)()
+    except Exception:
+        return None
+
+
+def _attr(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    rank: RankId
+    attn_tp_rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    is_last_pp_rank: bool
+
+    @property
+    def writes(self) -> bool:
+        """One writer per DP group: its attention-TP rank 0, on the last PP stage."""
+        return self.attn_tp_rank == 0 and self.is_last_pp_rank
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"dp_rank": self.rank.dp, "tp_rank": self.rank.tp, "pp_rank": self.rank.pp,
+                "attn_tp_rank": self.attn_tp_rank, "tp_size": self.tp_size,
+                "pp_size": self.pp_size, "dp_size": self.dp_size}
+
+
+def parallel_info(pp_group: Any = None) -> ParallelInfo:
+    """Ranks of this process. 0.5.15+: runtime_context.get_parallel(); older: the helpers."""
+    par = _call("sglang.srt.runtime_context", "get_parallel")
+
+    def first(*probes: Callable[[], Any], default: int = 0) -> int:
+        for probe in probes:
+            try:
+                value = probe()
+            except Exception:
+                continue
+            if isinstance(value, int):
+                return value
+        return default
+
+    tp = first(lambda: par.tp_rank, lambda: _call("sglang.srt.distributed", "get_tensor_model_parallel_rank"))
+    attn_tp = first(
+        lambda: par.attn_tp_rank,
+        lambda: _call("sglang.srt.layers.dp_attention", "get_attention_tp_rank"),
+        default=tp,
+    )
+    dp = first(lambda: par.attn_dp_rank, lambda: _call("sglang.srt.layers.dp_attention", "get_attention_dp_rank"))
+    pp = first(lambda: pp_group.rank_in_group, lambda: par.pp_rank)
+    tp_size = first(lambda: par.tp_size, lambda: _call("sglang.srt.distributed", "get_tensor_model_parallel_world_size"), default=1)
+    pp_size = first(lambda: pp_group.world_size, lambda: par.pp_size, default=1)
+    dp_size = first(lambda: par.attn_dp_size, lambda: par.dp_size, default=1)
+    last = _attr(pp_group, "is_last_rank")
+    return ParallelInfo(RankId(dp, tp, pp), attn_tp, tp_size, pp_size, dp_size,
+                        True if last is None else bool(last))
+
+
+def server_args() -> Any:
+    """The operator's server arguments, wherever this release keeps them (or None)."""
+    for module, name in (
+        ("sglang.srt.runtime_context", "get_server_args"),  # 0.5.15+
+        ("sglang.srt.server_args", "get_global_server_args"),  # 0.5.x before the context
+    ):
+        value = _call(module, name)
+        if value is not None:
+            return value
+    try:
+        from sglang.srt.managers.schedule_batch import global_server_args_dict  # oldest
+
+        return dict(global_server_args_dict)
+    except Exception:
+        return None
+
+
+def _arg(args: Any, name: str) -> Any:
+    if isinstance(args, dict):
+        return args.get(name)
+    return _attr(args, name)
+
+
+RELEVANT_FLAGS = (
+    "model_path", "served_model_name", "dtype", "device", "tp_size", "pp_size", "dp_size",
+    "enable_dp_attention", "disable_radix_cache", "chunked_prefill_size", "enable_mixed_chunk",
+    "disable_cuda_graph", "disable_prefill_cuda_graph", "cuda_graph_backend_prefill",
+    "enable_piecewise_cuda_graph", "disable_piecewise_cuda_graph", "enable_two_batch_overlap",
+    "speculative_algorithm", "disable_overlap_schedule", "max_prefill_tokens",
+)
+
+
+def relevant_flags(args: Any) -> Dict[str, Any]:
+    out = {}
+    for name in RELEVANT_FLAGS:
+        value = _arg(args, name)
+        if value is not None:
+            out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return out
+
+
+def prefill_graph_state(args: Any) -> Optional[str]:
+    """Name of the prefill CUDA-graph mode in effect, or None when prefill runs eagerly.
+
+    Under a prefill graph the forward wrapper runs only while the graph is captured,
+    so captures would silently vanish. Published config first (0.5.15+), flags after.
+    """
+    device = str(_arg(args, "device") or "cuda")
+    if device not in ("cuda", "gpu"):
+        return None  # graphs are CUDA-only; a CPU server always prefills eagerly
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+        if not check_cuda_graph_backend(Phase.PREFILL, Backend.DISABLED):
+            cfg = _attr(_call("sglang.srt.runtime_context", "get_exec"), "graph")
+            backend = _attr(_attr(_attr(cfg, "cuda_graph_config"), "prefill"), "backend")
+            if backend is not None:
+                return f"cuda_graph_backend_prefill={backend}"
+    except Exception:
+        pass
+    if _arg(args, "disable_cuda_graph") or _arg(args, "disable_prefill_cuda_graph"):
+        return None
+    if _arg(args, "enable_piecewise_cuda_graph") and not _arg(args, "disable_piecewise_cuda_graph"):
+        return "enable_piecewise_cuda_graph"
+    backend = _arg(args, "cuda_graph_backend_prefill")
+    if backend not in (None, "disabled", "DISABLED"):
+        return f"cuda_graph_backend_prefill={backend}"
+    return None

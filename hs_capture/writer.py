@@ -1,0 +1,254 @@
+"""The background shard writer: compress, checksum, write atomically, then index.
+
+The forward thread only stages tensors (staging.py) and enqueues a job. Worker
+threads turn each job into one .hst file per part, each written under a temp
+name, fsynced and renamed; only when every file of the step is durable is the
+step's index line appended. In-flight memory is bounded: `block` (default)
+makes the forward wait, `drop` skips the step and writes a `dropped` index line,
+so no loss is ever silent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from . import format as fmt
+from .config import CaptureConfig
+from .layout import RankId, index_path, rank_meta_path, step_file, temp_name
+from .log import get_logger
+from .staging import Staged, Stager
+
+log = get_logger()
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                      torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _TORCH_DTYPE_NAMES[dtype]
+
+
+def atomic_write(path: str, chunks: List[Any], fsync: bool) -> int:
+    """Write chunks to a temp sibling, fsync, rename into place. Returns bytes written."""
+    tmp = temp_name(path)
+    written = 0
+    try:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+                written += len(c) if isinstance(c, (bytes, bytearray)) else memoryview(c).nbytes
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    return written
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Budget:
+    """Bytes in flight between stage() and the index line. One oversize step may pass alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, block: bool) -> bool:
+        with self._cond:
+            while self.used and self.used + n > self.limit:
+                if not block:
+                    return False
+                self._cond.wait()
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class ShardWriter:
+    """One per writing rank. `submit` is the only call on the forward's critical path."""
+
+    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.run_dir = cfg.run_dir
+        self.run_meta = dict(run_meta)
+        self._stager = Stager()
+        self._budget = _Budget(cfg.max_inflight_bytes)
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._index_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self.stats = {"steps_written": 0, "steps_dropped": 0, "steps_failed": 0,
+                      "tokens_written": 0, "raw_bytes": 0, "file_bytes": 0}
+        self._threads: List[threading.Thread] = []
+        self._closed = False
+        self._next_step = 0
+        self.failure: Optional[str] = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        for sub in ("ranks", "index", os.path.join("data", self.rank.tag)):
+            os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
+        self.run_meta.update(status="running", started=time.time())
+        self._write_meta()
+        for i in range(self.cfg.writer_threads):
+            t = threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, timeout: float = 600.0) -> bool:
+        """Drain every queued step, then record the run as closed. True if all finished."""
+        if self._closed:
+            return True
+        self._closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        done = not any(t.is_alive() for t in self._threads)
+        self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
+        self._write_meta()
+        self._stager._pool.trim()
+        return done
+
+    # ------------------------------------------------------------- hot path
+    def submit(self, meta: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+               aux_layers: Optional[List[int]] = None) -> bool:
+        """Stage one step and queue it. Blocks under back-pressure unless on_full=drop.
+
+        `tensors["aux"]`, when present, is SGLang's packed [T, K*H] capture whose
+        column blocks are `aux_layers` in order; it is split on the host, not the device.
+        """
+        if self._closed:
+            return False
+        step = self._next_step
+        self._next_step += 1
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if not self._budget.acquire(nbytes, block=self.cfg.on_full == "block"):
+            self._count("steps_dropped")
+            self._append_index({**meta, "step": step, "dropped": "writer_full", "time": time.time()})
+            log.warning("rank %s: writer full, dropped step %d (%d tokens); see the index",
+                        self.rank.tag, step, meta.get("num_tokens", 0))
+            return False
+        try:
+            staged = self._stager.stage(tensors)
+        except BaseException:
+            self._budget.release(nbytes)
+            raise
+        self._queue.put((step, meta, staged, aux_layers or []))
+        return True
+
+    # ------------------------------------------------------------- workers
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            step, meta, staged, aux_layers = job
+            try:
+                self._write_step(step, meta, staged, aux_layers)
+            except Exception as e:  # a failed step is counted and logged, never fatal
+                self._count("steps_failed")
+                self.failure = f"{type(e).__name__}: {e}"
+                log.error("rank %s: step %d not written: %s", self.rank.tag, step, self.failure)
+            finally:
+                self._stager.release(staged)
+                self._budget.release(staged.nbytes)
+
+    def _parts(self, staged: Staged, aux_layers: List[int]) -> Dict[str, torch.Tensor]:
+        parts = {}
+        for name, t in staged.tensors.items():
+            if name == "aux":
+                width = t.shape[-1] // max(1, len(aux_layers))
+                for j, layer in enumerate(aux_layers):
+                    parts[f"L{layer:02d}"] = t[..., j * width:(j + 1) * width].contiguous()
+            else:
+                parts[name] = t
+        return parts
+
+    def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
+        staged.ready()
+        files = {}
+        raw_total = file_total = 0
+        common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
+        dirs = set()
+        for part, t in self._parts(staged, aux_layers).items():
+            if part in ("tokens", "positions"):
+                continue  # stored beside the final state, below
+            rel = step_file(self.rank, step, part)
+            tensors = [fmt.RawTensor("hidden", dtype_name(t.dtype), list(t.shape), _bytes_of(t))]
+            if part == "final":
+                tensors.append(fmt.RawTensor("input_ids", dtype_name(staged.tensors["tokens"].dtype),
+                                             list(staged.tensors["tokens"].shape), _bytes_of(staged.tensors["tokens"])))
+                tensors.append(fmt.RawTensor("positions", dtype_name(staged.tensors["positions"].dtype),
+                                             list(staged.tensors["positions"].shape), _bytes_of(staged.tensors["positions"])))
+            path = os.path.join(self.run_dir, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            dirs.add(os.path.dirname(path))
+            chunks = fmt.encode_file(tensors, {**common, "part": part}, self.cfg.codec, self.cfg.level)
+            size = atomic_write(path, chunks, self.cfg.fsync)
+            files[part] = {"path": rel, "bytes": size}
+            raw_total += sum(x.data.nbytes for x in tensors)
+            file_total += size
+        if self.cfg.fsync:
+            for d in dirs:
+                _fsync_dir(d)
+        self._append_index({**meta, "step": step, "files": files, "time": time.time()})
+        with self._stats_lock:
+            self.stats["steps_written"] += 1
+            self.stats["tokens_written"] += int(meta.get("num_tokens", 0))
+            self.stats["raw_bytes"] += raw_total
+            self.stats["file_bytes"] += file_total
+
+    # ------------------------------------------------------------- bookkeeping
+    def _append_index(self, line: Dict[str, Any]) -> None:
+        data = (json.dumps(line, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+        with self._index_lock:
+            # One write() of a whole line under O_APPEND: a crash leaves at most a torn last line.
+            fd = os.open(index_path(self.run_dir, self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                if self.cfg.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def _count(self, key: str) -> None:
+        with self._stats_lock:
+            self.stats[key] += 1
+
+    def _write_meta(self) -> None:
+        with self._stats_lock:
+            body = {**self.run_meta, "stats": dict(self.stats)}
+        if self.failure:
+            body["last_failure"] = self.failure
+        data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
+        atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    t = t.contiguous()
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")

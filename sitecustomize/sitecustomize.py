@@ -1,0 +1,1 @@
+../hs_capture/sitecustomize/sitecustomize.py
