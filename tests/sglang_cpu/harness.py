@@ -1,0 +1,167 @@
+"""Serve a tiny random DeepSeek-V3 with the REAL SGLang on this CPU, started the way the
+README documents (PYTHONPATH=hs_capture/sitecustomize python -m sglang.launch_server),
+and compare with transformers. Used by the tests and by bin/hscap-demo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+SHIMS = os.path.join(HERE, "shims")
+HOOK_DIR = os.path.join("hs_capture", "sitecustomize")  # relative: the documented form
+
+# Flags this CPU needs (see README.md here); capture itself needs none of them but
+# --disable-cuda-graph, which is a no-op on the CPU.
+CPU_FLAGS = [
+    "--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
+    "--grammar-backend", "none", "--disable-cuda-graph", "--sampling-backend", "pytorch",
+    "--max-total-tokens", "8192", "--context-length", "4096", "--mem-fraction-static", "0.05",
+    "--host", "127.0.0.1", "--log-level", "warning",
+]
+
+
+def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
+    """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    torch.manual_seed(seed)
+    cfg = DeepseekV3Config(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rms_norm_eps=1e-6, max_position_embeddings=163840,
+        # SGLang's CPU rope factory asserts a yarn rope_scaling: DeepSeek-V3's own values
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
+                             mscale=1.0, mscale_all_dim=1.0),
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
+        topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+    cfg.architectures = ["DeepseekV3ForCausalLM"]
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn_like(t) * 0.1)
+    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
+    path = os.path.join(out, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data.setdefault("torch_dtype", dtype)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env(dump_dir: Optional[str], **extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_"))}
+    env.pop("SGLANG_USE_CPU_ENGINE", None)  # that path needs a CPU sgl_kernel no registry has
+    env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, SHIMS])
+    env["TORCHDYNAMO_DISABLE"] = "1"  # the MoE top-k would be torch.compiled for ~12 s otherwise
+    if dump_dir is not None:
+        env["HSCAP_DIR"] = dump_dir
+    env.update(extra)
+    return env
+
+
+class Server:
+    """One real `python -m sglang.launch_server`, in its own process group."""
+
+    def __init__(self, model: str, env: Dict[str, str], log_path: str, extra_flags: Sequence[str] = ()) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", "float32",
+               *CPU_FLAGS, "--port", str(self.port), *extra_flags]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not healthy in {timeout}s:\n{self.log()[-3000:]}")
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def generate(self, rid: str, input_ids: List[int], timeout: float = 300.0) -> dict:
+        body = json.dumps({"input_ids": input_ids, "rid": rid,
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+        req = urllib.request.Request(self.url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM to the launcher (what an orchestrator sends), then the group if it lingers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait(30)
+        if not self._log.closed:
+            self._log.close()
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+
+def hf_hidden_states(model_dir: str, input_ids: List[int]):
+    """transformers' float32 forward: hidden_states[i] enters layer i; the last is post-norm."""
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    global _HF
+    if _HF.get(model_dir) is None:
+        _HF[model_dir] = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = _HF[model_dir](torch.tensor([input_ids]), output_hidden_states=True)
+    return [h[0].numpy() for h in out.hidden_states]
+
+
+_HF: Dict[str, object] = {}

@@ -1,0 +1,135 @@
+"""End to end on the REAL SGLang: a CPU server on a tiny DeepSeek-V3, started with the
+documented PYTHONPATH command, captures what transformers computes on the same weights."""
+
+import concurrent.futures as cf
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from hs_capture import format as fmt
+from hs_capture.layout import TEMP_MARK
+from hs_capture.reader import open_runs, stitch, tensor_files
+from tests.conftest import NUM_LAYERS
+from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
+
+LAYERS = [1, 3, 5]
+CHUNK = 128
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("capture")
+    dump = str(root / "dump")
+    env = server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)))
+    srv = Server(tiny_model, env, str(root / "server.log"),
+                 ["--chunked-prefill-size", str(CHUNK), "--disable-radix-cache"])
+    try:
+        srv.wait_healthy()
+        rng = random.Random(0)
+        lengths = [1, 2, 7, 64, 127, 128, 129, 300, 555, 31, 90, 700]
+        reqs = {f"req-{i}": [rng.randrange(2, 1000) for _ in range(n)] for i, n in enumerate(lengths)}
+        with cf.ThreadPoolExecutor(6) as ex:  # concurrent: forwards hold several requests
+            list(ex.map(lambda kv: srv.generate(*kv), reqs.items()))
+    finally:
+        rc = srv.stop()
+    return {"dump": dump, "reqs": reqs, "log": srv.log(), "rc": rc}
+
+
+def test_logs_say_capture_is_live(captured):
+    log = captured["log"]
+    assert "[HS_DUMP] DeepseekV3ForCausalLM: layers_to_capture=[1, 3, 5]" in log
+    assert "[HS_DUMP] CausalLM: capture_aux_hidden_states=True" in log
+    assert "[HS_DUMP] rank dp0-tp0-pp0: closed:" in log
+    ours = [line for line in log.splitlines() if line.startswith("[HS_DUMP]")]
+    assert not [line for line in ours if "ERROR" in line or "failed (" in line]  # no capture error counted
+
+
+def test_every_layer_and_final_state_match_transformers(captured, tiny_model):
+    (run,) = open_runs(captured["dump"])
+    samples = stitch(run)
+    for rid, ids in captured["reqs"].items():
+        s = samples[rid]
+        assert s.complete and s.input_ids.tolist() == ids, rid
+        ref = hf_hidden_states(tiny_model, ids)
+        assert sorted(s.layers) == LAYERS
+        for layer in LAYERS:
+            diff = np.abs(s.layers[layer] - ref[layer]).max()
+            assert diff <= TOL, (rid, layer, diff)
+        diff = np.abs(s.final - ref[NUM_LAYERS]).max()
+        assert diff <= TOL, (rid, "final", diff)
+
+
+def test_long_prompts_were_chunked_and_batches_held_several_requests(captured):
+    (run,) = open_runs(captured["dump"])
+    lines = [x for x in run.index("dp0-tp0-pp0") if "files" in x]
+    assert all(x["num_tokens"] <= CHUNK for x in lines)
+    assert any(s["prefix"] > 0 for x in lines for s in x["seqs"])  # a later chunk
+    assert any(len(x["seqs"]) > 1 for x in lines)  # a batch of several requests
+    assert {x["mode"] for x in lines} == {"EXTEND"}
+
+
+def test_run_metadata_records_the_contract(captured, tiny_model):
+    (run,) = open_runs(captured["dump"])
+    meta = run.ranks["dp0-tp0-pp0"]
+    assert meta["status"] == "closed"
+    assert meta["layers"] == LAYERS and meta["num_layers"] == NUM_LAYERS and meta["hidden_size"] == 256
+    assert meta["final_state"] == "post_norm" and "entering" in meta["layer_convention"]
+    assert meta["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert meta["model_path"] == tiny_model
+    assert meta["server_flags"]["disable_radix_cache"] is True
+    assert meta["server_flags"]["chunked_prefill_size"] == CHUNK
+    assert meta["sglang_version"].startswith("0.5") and meta["parallel"]["tp_size"] == 1
+    assert meta["stats"]["steps_failed"] == 0 and meta["stats"]["steps_dropped"] == 0
+
+
+def test_files_are_self_describing_and_named_by_rank_and_layer(captured):
+    (run,) = open_runs(captured["dump"])
+    files = list(tensor_files(run.path))
+    leftovers = [n for _, _, names in os.walk(run.path) for n in names if TEMP_MARK in n]
+    assert files and not leftovers
+    parts = {os.path.basename(f).split(".")[2] for f in files}
+    assert parts == {"L01", "L03", "L05", "final"}
+    assert all(os.path.basename(f).startswith("dp0-tp0-pp0.s") for f in files)
+    with open(files[0], "rb") as f:
+        header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+    e = header.tensors["hidden"]
+    assert e.codec == "zstd" and e.dtype == "float32" and e.shape[1] == 256
+    assert header.metadata["rank"] == "dp0-tp0-pp0" and header.metadata["run_id"] == os.path.basename(run.path)
+    for line in run.index("dp0-tp0-pp0"):  # every index line points at files that exist
+        for part in line.get("files", {}).values():
+            assert os.path.getsize(os.path.join(run.path, part["path"])) == part["bytes"]
+
+
+def test_without_hscap_dir_the_server_is_untouched(tiny_model, tmp_path):
+    would_be = tmp_path / "would-be-dump"
+    env = server_env(None)
+    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)])
+    try:
+        srv.wait_healthy()
+        out = srv.generate("plain", list(range(2, 40)))
+        assert out["meta_info"]["prompt_tokens"] == 38
+    finally:
+        srv.stop()
+    assert "HS_DUMP" not in srv.log()
+    assert not would_be.exists() and os.listdir(tmp_path) == ["server.log"]
+
+
+@pytest.mark.parametrize("env_extra, message", [
+    ({"HSCAP_LAYERS": "1,9"}, "HSCAP_LAYERS has [9] outside 1..5 for this 6-layer model"),
+    ({"HSCAP_LAYERS": "2,x"}, "HSCAP_LAYERS='2,x': 'x' is not a layer index"),
+    ({"HSCAP_DIR": "/proc/hscap-cannot-exist"}, "is not writable"),
+])
+def test_misconfiguration_stops_the_server_at_start(tiny_model, tmp_path, env_extra, message):
+    env = server_env(str(tmp_path / "dump"), **env_extra)
+    srv = Server(tiny_model, env, str(tmp_path / "server.log"))
+    try:
+        rc = srv.wait_exit(180)
+    finally:
+        srv.kill()
+    assert rc != 0
+    errors = [line for line in srv.log().splitlines() if line.startswith("[HS_DUMP] ERROR:")]
+    assert errors and message in errors[0], srv.log()[-2000:]
