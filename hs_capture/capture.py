@@ -50,9 +50,10 @@ class ModelCapture:
         self.errors = 0
         self.steps = 0
 
-    # The host may call set_eagle3_layers_to_capture after us: a list we did not set is theirs.
+    # The host may call set_eagle3_layers_to_capture after us, possibly with the very layers
+    # we chose: it always assigns a new list, so a list object we did not set is theirs.
     def _sync_host(self, current: List[int]) -> None:
-        if self._last_set is not None and list(current) != self._last_set:
+        if self._last_set is not None and current is not self._last_set:
             self.host_layers = sorted(set(current))
 
     def layers_for(self, model: Any, capturing: bool) -> List[int]:

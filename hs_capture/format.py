@@ -179,7 +179,8 @@ def encode_file(
     for t in sorted(tensors, key=lambda t: t.name):
         if t.dtype not in ITEMSIZE:
             raise TensorInvalidInfo(f"{t.name}: unsupported dtype {t.dtype!r}")
-        raw = memoryview(t.data).cast("B")
+        view = memoryview(t.data)
+        raw = view.cast("B") if view.nbytes else memoryview(b"")
         expect = _checked_nbytes(t.name, t.dtype, t.shape)
         if raw.nbytes != expect:
             raise SizeMismatch(f"{t.name}: {raw.nbytes} bytes given, shape/dtype need {expect}")

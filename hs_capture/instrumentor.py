@@ -22,6 +22,12 @@ from .targets import TARGETS, Target
 
 log = get_logger()
 _MARK = "_hscap_wrapper"
+# wrapt 2 moved the proxy base (FunctionWrapper no longer subclasses wrapt.ObjectProxy)
+_PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
+
+
+def is_wrapped(obj: Any) -> bool:
+    return isinstance(obj, _PROXY)
 
 
 def _defining_class(cls: type, attr: str) -> type:
@@ -34,7 +40,7 @@ def _defining_class(cls: type, attr: str) -> type:
 def _wrap(cls: type, attr: str, wrapper: Callable) -> bool:
     owner = _defining_class(cls, attr)
     current = vars(owner)[attr]
-    if isinstance(current, wrapt.ObjectProxy):  # ours or someone's: never stack a second wrapper
+    if is_wrapped(current):  # ours or someone's: never stack a second wrapper
         return False
     proxy = wrapt.FunctionWrapper(current, wrapper)
     setattr(owner, attr, proxy)
@@ -44,7 +50,7 @@ def _wrap(cls: type, attr: str, wrapper: Callable) -> bool:
 def _unwrap(cls: type, attr: str) -> None:
     owner = _defining_class(cls, attr)
     current = vars(owner)[attr]
-    if isinstance(current, wrapt.ObjectProxy) and getattr(current, "_self_" + _MARK, False):
+    if is_wrapped(current) and getattr(current, "_self_" + _MARK, False):
         setattr(owner, attr, current.__wrapped__)
 
 

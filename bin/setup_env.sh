@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Build the venv the demo and the tests run in: the REAL sglang 0.5.23 on this CPU.
+# Idempotent; VENV=... picks the folder (default .venv at the repo root).
+#   torch 2.14.1: the build sglang 0.5.23 pins (a CUDA build; it runs on the CPU).
+#   sglang --no-deps: its full list pulls CUDA kernels that cannot work on a CPU;
+#   the light packages it imports are pinned in requirements/test-lock.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install torch==2.14.1 torchvision==0.29.1
+pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
+pip install -r requirements/test-lock.txt
+pip install --no-deps -e .
+echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)'))"

@@ -1,0 +1,124 @@
+"""The .hst file: round trips and the abuse cases of safetensors' attacks/."""
+
+import io
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from hs_capture import format as fmt
+
+
+def encode(tensors, codec="zstd", meta=None):
+    return b"".join(bytes(c) for c in fmt.encode_file(tensors, meta or {"k": "v"}, codec, 1))
+
+
+def raw(name, t):
+    t = t.contiguous()
+    return fmt.RawTensor(name, str(t.dtype).split(".")[1], list(t.shape), memoryview(t.view(torch.uint8).numpy()))
+
+
+def decode(blob):
+    f = io.BytesIO(blob)
+    h = fmt.read_header(f, len(blob))
+    return h, {n: fmt.to_torch(fmt.read_tensor_bytes(f, h, n), e.dtype, e.shape) for n, e in h.tensors.items()}
+
+
+@pytest.mark.parametrize("codec", fmt.CODECS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32])
+def test_round_trip_is_bit_exact(codec, dtype):
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(37, 19, generator=g) * 100).to(dtype)
+    ids = torch.arange(37, dtype=torch.int64)
+    h, out = decode(encode([raw("hidden", t), raw("input_ids", ids)], codec))
+    assert torch.equal(out["hidden"], t) and out["hidden"].dtype == dtype
+    assert torch.equal(out["input_ids"], ids)
+    assert h.metadata == {"k": "v"} and h.tensors["hidden"].codec == codec
+    assert h.payload_start % 8 == 0
+
+
+def test_bf16_to_numpy_is_exact_float32():
+    t = torch.randn(5, 3).to(torch.bfloat16)
+    f = io.BytesIO(encode([raw("x", t)]))
+    h = fmt.read_header(f, len(f.getvalue()))
+    arr = fmt.to_numpy(fmt.read_tensor_bytes(f, h, "x"), "bfloat16", (5, 3))
+    assert np.array_equal(arr, t.float().numpy())
+
+
+def test_identical_captures_give_identical_bytes():
+    t = torch.randn(4, 4)
+    assert encode([raw("a", t), raw("b", t)]) == encode([raw("b", t), raw("a", t)])
+
+
+def test_empty_tensor_round_trips():
+    h, out = decode(encode([raw("x", torch.empty(0, 8))]))
+    assert out["x"].shape == (0, 8)
+
+
+def _with_header(header: dict, payload: bytes = b"") -> bytes:
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    return fmt.MAGIC + struct.pack("<Q", len(blob)) + blob + payload
+
+
+GOOD = {"__format__": {"version": 1}, "x": {"dtype": "float32", "shape": [2], "codec": "raw",
+                                            "offsets": [0, 8], "nbytes": 8, "crc32": 0}}
+
+
+@pytest.mark.parametrize("blob, error", [
+    (b"HSCA", fmt.HeaderTooSmall),
+    (b"NOTMAGIC" + b"\0" * 8, fmt.BadMagic),
+    (fmt.MAGIC + struct.pack("<Q", 1 << 40), fmt.HeaderTooLarge),  # huge N
+    (fmt.MAGIC + struct.pack("<Q", 64) + b"{}", fmt.HeaderTooLarge),  # N past the end
+    (fmt.MAGIC + struct.pack("<Q", 8) + b"\xff\xfe      ", fmt.InvalidHeader),
+    (fmt.MAGIC + struct.pack("<Q", 8) + b"[1]     ", fmt.InvalidHeader),
+    (_with_header({"__format__": {"version": 99}}), fmt.UnsupportedVersion),
+    (_with_header({**GOOD, "x": {**GOOD["x"], "dtype": "float8"}}, b"\0" * 8), fmt.TensorInvalidInfo),
+    (_with_header({**GOOD, "x": {**GOOD["x"], "shape": [3]}}, b"\0" * 8), fmt.TensorInvalidInfo),
+    (_with_header({**GOOD, "x": {**GOOD["x"], "shape": [1 << 40, 1 << 40]}}, b"\0" * 8), fmt.TensorInvalidInfo),
+    (_with_header({**GOOD, "x": {**GOOD["x"], "codec": "lz4"}}, b"\0" * 8), fmt.CodecError),
+    (_with_header({**GOOD, "x": {**GOOD["x"], "offsets": [4, 12]}}, b"\0" * 12), fmt.InvalidOffset),
+    (_with_header({**GOOD, "y": {**GOOD["x"]}}, b"\0" * 16), fmt.InvalidOffset),  # overlapping
+    (_with_header(GOOD, b"\0" * 9), fmt.InvalidOffset),  # trailing byte
+    (_with_header(GOOD, b"\0" * 7), fmt.InvalidOffset),  # truncated
+])
+def test_malformed_headers_are_rejected_by_rule(blob, error):
+    with pytest.raises(error):
+        fmt.read_header(io.BytesIO(blob), len(blob))
+
+
+def test_duplicate_keys_are_rejected():
+    text = b'{"__format__":{"version":1},"x":{},"x":{}}'
+    text += b" " * (-len(text) % 8)
+    blob = fmt.MAGIC + struct.pack("<Q", len(text)) + text
+    with pytest.raises(fmt.InvalidHeader):
+        fmt.read_header(io.BytesIO(blob), len(blob))
+
+
+def test_flipped_bit_is_caught_by_the_checksum():
+    blob = bytearray(encode([raw("x", torch.randn(64, 64))], codec="raw"))
+    blob[-5] ^= 0x10
+    f = io.BytesIO(bytes(blob))
+    h = fmt.read_header(f, len(blob))
+    with pytest.raises(fmt.ChecksumMismatch):
+        fmt.read_tensor_bytes(f, h, "x")
+
+
+def test_zstd_frame_must_declare_the_header_size():
+    """A frame that inflates beyond what the header declares is refused before decoding."""
+    import zstandard
+
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 20))
+    blob = _with_header({"__format__": {"version": 1}, "x": {"dtype": "uint8", "shape": [8], "codec": "zstd",
+                                                             "offsets": [0, len(bomb)], "nbytes": 8, "crc32": 0}}, bomb)
+    f = io.BytesIO(blob)
+    h = fmt.read_header(f, len(blob))
+    with pytest.raises(fmt.SizeMismatch):
+        fmt.read_tensor_bytes(f, h, "x")
+
+
+def test_writer_refuses_bytes_that_disagree_with_the_shape():
+    with pytest.raises(fmt.SizeMismatch):
+        fmt.encode_file([fmt.RawTensor("x", "float32", [3], memoryview(b"\0" * 8))], {})

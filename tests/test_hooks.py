@@ -1,0 +1,250 @@
+"""The hooks against the REAL sglang installed in the test venv: what gets wrapped, the
+instrument/uninstrument round trip, and the bootstrap in fresh interpreters."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import wrapt
+
+from hs_capture.instrumentor import is_wrapped
+from tests.sglang_cpu.harness import REPO, SHIMS
+
+sys.path.insert(0, SHIMS)  # the import-only vllm stand-in SGLang needs on a CPU machine
+
+
+@pytest.fixture(scope="module")
+def dsv2():
+    import sglang.srt.models.deepseek_v2 as m
+
+    return m
+
+
+@pytest.fixture
+def instrumented(dsv2, clean_env):
+    from hs_capture.instrumentor import HsCaptureInstrumentor
+
+    inst = HsCaptureInstrumentor()
+    assert inst.instrument()
+    yield inst
+    if inst.is_instrumented:
+        inst.uninstrument()
+
+
+def test_wraps_the_defining_classes_once(dsv2, instrumented):
+    assert is_wrapped(vars(dsv2.DeepseekV2ForCausalLM)["__init__"])
+    assert is_wrapped(vars(dsv2.DeepseekV2Model)["forward"])
+    # Kimi-K2's class inherits the wrapped __init__: no second wrapper on the subclass
+    for sub in (dsv2.DeepseekV3ForCausalLM, dsv2.DeepseekV32ForCausalLM):
+        assert "__init__" not in vars(sub)
+        owner = next(k for k in sub.__mro__ if "__init__" in vars(k))
+        assert owner is dsv2.DeepseekV2ForCausalLM
+
+
+def test_repeat_instrument_warns_and_stacks_nothing(dsv2, instrumented):
+    before = vars(dsv2.DeepseekV2Model)["forward"]
+    assert instrumented.instrument() is False
+    assert vars(dsv2.DeepseekV2Model)["forward"] is before
+    assert not is_wrapped(before.__wrapped__)
+
+
+def test_uninstrument_restores_the_originals_and_reinstrument_works(dsv2, instrumented):
+    wrapped_forward = vars(dsv2.DeepseekV2Model)["forward"]
+    original = wrapped_forward.__wrapped__
+    instrumented.uninstrument()
+    assert vars(dsv2.DeepseekV2Model)["forward"] is original
+    assert not is_wrapped(vars(dsv2.DeepseekV2ForCausalLM)["__init__"])
+    instrumented.uninstrument()  # a no-op with a warning
+    assert instrumented.instrument()
+    assert vars(dsv2.DeepseekV2Model)["forward"].__wrapped__ is original
+
+
+def test_a_foreign_wrapper_is_left_alone(dsv2, clean_env):
+    from hs_capture.instrumentor import HsCaptureInstrumentor
+
+    inst = HsCaptureInstrumentor()
+    original = vars(dsv2.DeepseekV2Model)["forward"]
+    foreign = wrapt.FunctionWrapper(original, lambda w, i, a, k: w(*a, **k))
+    dsv2.DeepseekV2Model.forward = foreign
+    try:
+        inst.instrument()
+        assert vars(dsv2.DeepseekV2Model)["forward"] is foreign
+        inst.uninstrument()
+        assert vars(dsv2.DeepseekV2Model)["forward"] is foreign
+    finally:
+        dsv2.DeepseekV2Model.forward = original
+
+
+# ------------------------------------------------------------------ forward logic
+def _sglang_like_forward(model, hidden_size=4, num_layers=6, tokens=3):
+    """DeepseekV2Model.forward's capture contract, with SGLang's real AuxHiddenStatePacker:
+    layer i's input is captured when i is in layers_to_capture, packed in layer order."""
+    from sglang.srt.layers.aux_hidden_states import AuxHiddenStatePacker
+
+    def forward(input_ids, positions, forward_batch):
+        packer = AuxHiddenStatePacker(len(model.layers_to_capture))
+        for i in range(num_layers):
+            if i in model.layers_to_capture:
+                packer.append(torch.full((tokens, hidden_size), float(i)))
+        final = torch.full((tokens, hidden_size), -1.0)
+        return final if len(packer) == 0 else (final, packer.finalize())
+
+    return forward
+
+
+class _Writer:
+    """Records what would be written (the real writer is tested in test_writer.py)."""
+
+    rank = types.SimpleNamespace(tag="dp0-tp0-pp0")
+
+    def __init__(self):
+        self.steps = []
+
+    def submit(self, meta, tensors, aux_layers):
+        self.steps.append((meta, {k: v.clone() for k, v in tensors.items()}, aux_layers))
+        return True
+
+
+def _batch(mode="EXTEND", tokens=3):
+    return types.SimpleNamespace(
+        forward_mode=types.SimpleNamespace(name=mode), extend_seq_lens_cpu=[tokens],
+        extend_prefix_lens_cpu=[0], rids=["r"], input_ids=torch.arange(tokens), positions=torch.arange(tokens))
+
+
+def _capture(host_layers=(), host_flag=False):
+    from hs_capture.capture import ModelCapture
+
+    parent, model = torch.nn.Module(), torch.nn.Module()  # weak-referenceable, like the real ones
+    parent.capture_aux_hidden_states = host_flag
+    model.layers_to_capture = list(host_layers)
+    writer = _Writer()
+    state = ModelCapture([1, 3], sorted(host_layers), 4, writer, parent)
+    state.layers_for(model, capturing=True)
+    parent.capture_aux_hidden_states = True  # what setup_model does
+    return state, model, parent, writer
+
+
+def test_plain_server_gets_a_bare_aux_none_and_we_get_our_layers():
+    state, model, parent, writer = _capture()
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch()), {})
+    assert isinstance(out, tuple) and out[1] is None and torch.equal(out[0], torch.full((3, 4), -1.0))
+    meta, tensors, aux_layers = writer.steps[0]
+    assert aux_layers == [1, 3] and tensors["aux"][0].tolist() == [1.0] * 4 + [3.0] * 4
+
+
+def test_decode_steps_capture_nothing_and_cost_no_aux():
+    state, model, parent, writer = _capture()
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch("DECODE")), {})
+    assert model.layers_to_capture == [] and out[1] is None and not writer.steps
+
+
+@pytest.mark.parametrize("host_layers", [[2, 3, 5], [1, 3]])
+def test_sglang_eagle3_still_gets_exactly_its_layers(host_layers):
+    """A server really running EAGLE-3 (set_eagle3_layers_to_capture after us) is unaffected."""
+    state, model, parent, writer = _capture()
+    model.layers_to_capture = list(host_layers)  # what set_eagle3_layers_to_capture does
+    parent.capture_aux_hidden_states = True
+    for mode in ("EXTEND", "DECODE", "TARGET_VERIFY"):
+        out = state.forward(_sglang_like_forward(model), model, (None, None, _batch(mode)), {})
+        expect = torch.cat([torch.full((3, 4), float(i)) for i in host_layers], dim=-1)
+        assert torch.equal(out[1], expect), mode
+    assert len(writer.steps) == 1  # only the prefill was captured
+    _, tensors, _ = writer.steps[0]
+    got = {k: v[0, 0].item() for k, v in tensors.items() if k.startswith("L")} or \
+          {f"L{l:02d}": tensors["aux"][0, j * 4].item() for j, l in enumerate([1, 3])}
+    assert got == {"L01": 1.0, "L03": 3.0}
+
+
+def test_capture_errors_never_reach_the_forward():
+    state, model, parent, writer = _capture()
+
+    def broken_submit(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    writer.submit = broken_submit
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch()), {})
+    assert out[1] is None and state.errors == 1
+
+
+# ------------------------------------------------------------------ bootstrap, fresh interpreters
+PROBE = r"""
+import json, sys, os
+res = {"user_site": getattr(sys.modules.get("sitecustomize"), "USER_MARK", None),
+       "loaded": getattr(sys.modules.get("hs_capture_sitecustomize"), "loaded", None),
+       "run_id": os.environ.get("HSCAP_RUN_ID"),
+       "wrapt_loaded": "wrapt" in sys.modules, "torch_loaded": "torch" in sys.modules}
+if len(sys.argv) > 1:
+    sys.path.insert(0, sys.argv[1])
+    import sglang.srt.models.deepseek_v2 as m
+    from hs_capture.instrumentor import is_wrapped
+    res["forward_wrapped"] = is_wrapped(vars(m.DeepseekV2Model)["forward"])
+    res["init_wrapped"] = is_wrapped(vars(m.DeepseekV2ForCausalLM)["__init__"])
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _probe(tmp_path, hook_dir, env_extra, import_sglang=False):
+    user = tmp_path / "user_site"
+    user.mkdir(exist_ok=True)
+    (user / "sitecustomize.py").write_text("USER_MARK = 'user sitecustomize ran'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_", "PYTHON"))}
+    env["PYTHONPATH"] = os.pathsep.join([hook_dir, str(user)])
+    env.update(env_extra)
+    args = [sys.executable, "-c", PROBE] + ([SHIMS] if import_sglang else [])
+    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[7:]), out.stderr
+
+
+def test_inert_without_hscap_dir_and_chains_to_the_user_sitecustomize(tmp_path):
+    res, err = _probe(tmp_path, "hs_capture/sitecustomize", {})
+    assert res == {"user_site": "user sitecustomize ran", "loaded": True, "run_id": None,
+                   "wrapt_loaded": False, "torch_loaded": False}
+    assert "HS_DUMP" not in err
+
+
+def test_enabled_hooks_the_real_sglang_classes_on_import(tmp_path):
+    res, err = _probe(tmp_path, "hs_capture/sitecustomize", {"HSCAP_DIR": str(tmp_path / "d")}, import_sglang=True)
+    assert res["user_site"] == "user sitecustomize ran" and res["loaded"] is True
+    assert res["run_id"].startswith("run-") and res["torch_loaded"] is False  # lazy: nothing heavy at start
+    assert res["forward_wrapped"] and res["init_wrapped"]
+    assert "[HS_DUMP] hooks installed on sglang.srt.models.deepseek_v2" in err
+
+
+def test_top_level_sitecustomize_dir_and_installed_path_are_the_same_hook(tmp_path):
+    installed = subprocess.run([sys.executable, "-m", "hs_capture.cli", "pythonpath"], capture_output=True,
+                               text=True, cwd=str(tmp_path), check=True).stdout.strip()
+    assert os.path.samefile(os.path.join(installed, "sitecustomize.py"),
+                            os.path.join(REPO, "hs_capture", "sitecustomize", "sitecustomize.py"))
+    assert os.path.realpath(os.path.join(REPO, "sitecustomize", "sitecustomize.py")) == \
+        os.path.realpath(os.path.join(installed, "sitecustomize.py"))
+    for hook_dir in ("sitecustomize", installed):
+        res, _ = _probe(tmp_path, hook_dir, {"HSCAP_DIR": str(tmp_path / "d")})
+        assert res["loaded"] is True and res["run_id"] and res["user_site"] == "user sitecustomize ran"
+
+
+def test_hooks_apply_when_sglang_was_imported_first(tmp_path):
+    code = (f"import sys; sys.path.insert(0, {SHIMS!r}); import sglang.srt.models.deepseek_v2 as m\n"
+            "from hs_capture import bootstrap\nfrom hs_capture.instrumentor import is_wrapped\n"
+            "assert not is_wrapped(vars(m.DeepseekV2Model)['forward'])\n"
+            "assert bootstrap.run()\n"
+            "assert is_wrapped(vars(m.DeepseekV2Model)['forward'])\nprint('OK')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHONPATH"))}
+    env["HSCAP_DIR"] = str(tmp_path / "d")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_broken_bootstrap_never_breaks_the_host(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "wrapt.py").write_text("raise ImportError('wrapt is broken in this image')\n")
+    res, err = _probe(tmp_path, os.pathsep.join(["hs_capture/sitecustomize", str(broken)]),
+                      {"HSCAP_DIR": str(tmp_path / "d")})
+    assert res["loaded"] is False and res["user_site"] == "user sitecustomize ran"
+    assert "[HS_DUMP] ERROR: bootstrap failed, capture is OFF: ImportError: wrapt is broken" in err

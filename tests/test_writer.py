@@ -1,0 +1,146 @@
+"""The shard writer on CPU tensors: back-pressure, counted drops, flush on close, atomicity.
+(Its CUDA path is measured on the H200: benchmarks/gpu_staging.py.)"""
+
+import errno
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from hs_capture import writer as writer_mod
+from hs_capture.config import CaptureConfig
+from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path
+from hs_capture.reader import open_runs, stitch
+
+H = 64
+
+
+def make_writer(tmp_path, **kw):
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, **kw)
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H})
+    w.start()
+    return w
+
+
+def step(rid, n, start=0, rows=None):
+    rows = rows or n
+    pos = torch.arange(start, start + rows)
+    tensors = {"final": torch.randn(rows, H), "aux": torch.randn(rows, 2 * H),
+               "tokens": torch.randint(0, 1000, (rows,)), "positions": pos}
+    meta = {"mode": "EXTEND", "num_tokens": n, "seqs": [{"rid": rid, "len": n, "prefix": start, "offset": 0}]}
+    return meta, tensors
+
+
+def index_lines(w):
+    with open(index_path(w.run_dir, w.rank)) as f:
+        return [json.loads(x) for x in f]
+
+
+class Gate:
+    """Holds every file write from now until opened: a disk that has stopped."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        real = writer_mod.atomic_write
+
+        def slow(path, chunks, fsync):
+            self.open.wait(30)
+            return real(path, chunks, fsync)
+
+        monkeypatch.setattr(writer_mod, "atomic_write", slow)
+
+
+def test_split_aux_round_trips_through_the_reader(tmp_path):
+    w = make_writer(tmp_path)
+    meta, t = step("a", 10)
+    w.submit(meta, t, aux_layers=[1, 2])
+    meta2, t2 = step("a", 5, start=10)
+    w.submit(meta2, t2, aux_layers=[1, 2])
+    assert w.close()
+    s = stitch(open_runs(str(tmp_path))[0])["a"]
+    assert s.complete and s.final.shape == (15, H)
+    assert torch.equal(torch.from_numpy(s.layers[2][:10].copy()), t["aux"][:, H:])
+    assert torch.equal(torch.from_numpy(s.layers[1][10:].copy()), t2["aux"][:, :H])
+
+
+def test_block_policy_holds_the_forward_until_memory_frees(tmp_path, monkeypatch):
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 100)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 1.5), writer_threads=1)
+    gate = Gate(monkeypatch)
+    w.submit(*step("a", 100), aux_layers=[1, 2])
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.submit(*step("b", 100), aux_layers=[1, 2]), done.set())).start()
+    time.sleep(0.5)
+    assert not done.is_set()  # back-pressure: the second step waits
+    gate.open.set()
+    assert done.wait(10)
+    assert w.close()
+    assert [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a", "b"]
+    assert w.stats["steps_dropped"] == 0
+
+
+def test_drop_policy_counts_and_indexes_every_drop(tmp_path, monkeypatch):
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 100)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 1.5), on_full="drop", writer_threads=1)
+    gate = Gate(monkeypatch)
+    assert w.submit(*step("a", 100), aux_layers=[1, 2])
+    assert not w.submit(*step("b", 100), aux_layers=[1, 2])
+    gate.open.set()
+    assert w.close()
+    lines = index_lines(w)
+    dropped = [x for x in lines if "dropped" in x]
+    assert [x["seqs"][0]["rid"] for x in dropped] == ["b"] and "files" not in dropped[0]
+    meta = json.load(open(rank_meta_path(w.run_dir, w.rank)))
+    assert meta["stats"]["steps_dropped"] == 1 and meta["status"] == "closed"
+
+
+def test_close_flushes_everything_queued(tmp_path, monkeypatch):
+    w = make_writer(tmp_path, writer_threads=2)
+    gate = Gate(monkeypatch)
+    for i in range(20):
+        w.submit(*step(f"r{i}", 8), aux_layers=[1, 2])
+    assert w.stats["steps_written"] == 0
+    gate.open.set()
+    assert w.close()
+    assert len([x for x in index_lines(w) if "files" in x]) == 20
+    assert w.stats["steps_written"] == 20
+
+
+def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    real = writer_mod.atomic_write
+    calls = {"n": 0}
+
+    def disk_full(path, chunks, fsync):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the step's second file: the first is already in place
+            with open(writer_mod.temp_name(path), "wb") as f:
+                f.write(b"partial")
+            os.remove(writer_mod.temp_name(path))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, chunks, fsync)
+
+    monkeypatch.setattr(writer_mod, "atomic_write", disk_full)
+    w = make_writer(tmp_path, writer_threads=1)
+    w.submit(*step("a", 8), aux_layers=[1, 2])
+    w.submit(*step("b", 8), aux_layers=[1, 2])
+    assert w.close()
+    assert w.stats["steps_failed"] == 1 and w.stats["steps_written"] == 1
+    assert [x["seqs"][0]["rid"] for x in index_lines(w)] == ["b"]  # no index line for the broken step
+    leftovers = [n for _, _, names in os.walk(w.run_dir) for n in names if TEMP_MARK in n]
+    assert not leftovers
+    meta = json.load(open(rank_meta_path(w.run_dir, w.rank)))
+    assert "No space left" in meta["last_failure"]
+
+
+def test_atomic_write_removes_its_temp_file_on_error(tmp_path):
+    class Boom:
+        def __len__(self):
+            raise RuntimeError("boom")
+
+    target = tmp_path / "x.hst"
+    with pytest.raises(Exception):
+        writer_mod.atomic_write(str(target), [b"ok", Boom()], fsync=True)
+    assert os.listdir(tmp_path) == []
