@@ -106,6 +106,8 @@ class ShardWriter:
         self._closed = False
         self._next_step = 0
         self.failure: Optional[str] = None
+        # Fault injection for tests: a slow disk (seconds per step).
+        self._test_delay = float(os.environ.get("HSCAP_TEST_WRITE_DELAY_MS", "0") or 0) / 1000.0
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -191,6 +193,8 @@ class ShardWriter:
 
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
         staged.ready()
+        if self._test_delay:
+            time.sleep(self._test_delay)
         files = {}
         raw_total = file_total = 0
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}

@@ -248,3 +248,19 @@ def test_a_broken_bootstrap_never_breaks_the_host(tmp_path):
                       {"HSCAP_DIR": str(tmp_path / "d")})
     assert res["loaded"] is False and res["user_site"] == "user sitecustomize ran"
     assert "[HS_DUMP] ERROR: bootstrap failed, capture is OFF: ImportError: wrapt is broken" in err
+
+
+def test_a_pip_installed_copy_ships_the_hook(tmp_path):
+    """A real (non-editable) install: the hook dir that `hscap pythonpath` prints works."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), REPO], check=True, capture_output=True, timeout=300)
+    hook_dir = target / "hs_capture" / "sitecustomize"
+    assert (hook_dir / "sitecustomize.py").is_file() and not (hook_dir / "sitecustomize.py").is_symlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHON"))}
+    env["PYTHONPATH"] = str(target)
+    printed = subprocess.run([sys.executable, "-m", "hs_capture.cli", "pythonpath"], env=env, cwd=str(tmp_path),
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert os.path.samefile(printed, hook_dir)
+    res, _ = _probe(tmp_path, str(hook_dir), {"HSCAP_DIR": str(tmp_path / "d")})
+    assert res["loaded"] is True and res["run_id"] and res["user_site"] == "user sitecustomize ran"

@@ -133,3 +133,42 @@ def test_misconfiguration_stops_the_server_at_start(tiny_model, tmp_path, env_ex
     assert rc != 0
     errors = [line for line in srv.log().splitlines() if line.startswith("[HS_DUMP] ERROR:")]
     assert errors and message in errors[0], srv.log()[-2000:]
+
+
+def test_hscap_ls_summarises_the_dump(captured):
+    from click.testing import CliRunner
+
+    from hs_capture.cli import main
+
+    res = CliRunner().invoke(main, ["ls", "--json", captured["dump"]], catch_exceptions=False)
+    assert res.exit_code == 0
+    (row,) = json.loads(res.output)
+    assert row["rank"] == "dp0-tp0-pp0" and row["status"] == "closed" and row["layers"] == LAYERS
+    assert row["tokens"] >= sum(map(len, captured["reqs"].values())) and row["dropped"] == 0
+    bad = CliRunner().invoke(main, ["ls", "/nonexistent-dump"])
+    assert bad.exit_code == 2 and "does not exist" in bad.output
+
+
+def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
+    """A slow disk leaves steps queued when the orchestrator sends SIGTERM: none is lost."""
+    dump = str(tmp_path / "dump")
+    env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_WRITE_DELAY_MS="400")
+    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", "64"])
+    rng = random.Random(1)
+    reqs = {f"s{i}": [rng.randrange(2, 1000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
+    try:
+        srv.wait_healthy()
+        for rid, ids in reqs.items():  # one at a time: many small steps pile up in the queue
+            srv.generate(rid, ids)
+        (run,) = open_runs(dump)
+        queued = len(reqs) - len({s["rid"] for x in run.index("dp0-tp0-pp0") for s in x.get("seqs", [])} & set(reqs))
+        srv.proc.send_signal(15)
+        rc = srv.wait_exit(120)
+    finally:
+        srv.kill()
+    assert queued > 0  # the test really had pending writes at SIGTERM
+    assert "[HS_DUMP] rank dp0-tp0-pp0: closed:" in srv.log() and "TIMED OUT" not in srv.log()
+    samples = stitch(run)
+    assert all(samples[rid].complete and samples[rid].input_ids.tolist() == ids for rid, ids in reqs.items())
+    assert json.load(open(os.path.join(run.path, "ranks", "dp0-tp0-pp0.json")))["status"] == "closed"
+    assert rc is not None
