@@ -44,7 +44,7 @@ def llm_like(t: int, h: int, gen: torch.Generator) -> torch.Tensor:
 def make_writer(root: str, threads: int, codec: str = "zstd") -> ShardWriter:
     cfg = CaptureConfig(dump_dir=root, run_id="run-gpu", layers=[2, 30, 58], codec=codec,
                         writer_threads=threads, max_inflight_bytes=64 << 30, fsync=False)
-    w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H})
+    w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H}, expected_rows=T)
     w.start()
     return w
 
@@ -88,8 +88,11 @@ def correctness(root: str, steps: int) -> dict:
             bad += not torch.equal(got, exp["aux"][:, j * H:(j + 1) * H])
         bad += not torch.equal(torch.from_numpy(parts["final"]["hidden"].copy()).to(torch.bfloat16), exp["final"])
         bad += not torch.equal(torch.from_numpy(parts["final"]["input_ids"].copy()), exp["tokens"])
-    return {"steps": steps, "mismatched_tensors": bad, "submit_us_median": sorted(submit_us)[len(submit_us) // 2],
-            "submit_us_first": submit_us[0], "raw_bytes": w.stats["raw_bytes"], "file_bytes": w.stats["file_bytes"]}
+    rest = sorted(submit_us[1:])
+    return {"steps": steps, "mismatched_tensors": bad, "submit_us_first_step": round(submit_us[0]),
+            "submit_us_median_after_first": round(rest[len(rest) // 2]), "submit_us_max_after_first": round(rest[-1]),
+            "pinned_allocs_in_forward": w.pinned_pool.hot_allocs,
+            "raw_bytes": w.stats["raw_bytes"], "file_bytes": w.stats["file_bytes"]}
 
 
 def bandwidth() -> dict:
@@ -110,18 +113,21 @@ def bandwidth() -> dict:
     return {"pinned_peak_GBps": round(peak, 1), "bytes_per_step": src.numel() * 2}
 
 
-def overlap(root: str, steps: int) -> dict:
-    """A 'forward' of bf16 matmuls producing one prefill step; capture on vs off, same run."""
+def overlap(root: str, steps: int, matmuls: int) -> dict:
+    """A 'forward' of bf16 matmuls producing one prefill step; capture on vs off, same run.
+    ~112 matmuls of [8192, 7168] x [7168, 7168] take ~130 ms: about what one H200 of a TP-8
+    DeepSeek-V3 spends on an 8192-token prefill (37 B active parameters)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     a = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
     ws = [torch.randn(H, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H ** 0.5 for _ in range(8)]
+    marks = {matmuls // 4, matmuls // 2, 3 * matmuls // 4}
 
     def forward():
         x = a
         outs = []
-        for i, w in enumerate(ws):
-            x = x @ w
-            if i in (1, 3, 5):
+        for i in range(matmuls):
+            x = x @ ws[i % len(ws)]
+            if i in marks:
                 outs.append(x)
         return {"aux": torch.cat(outs, dim=-1), "final": x,
                 "tokens": torch.zeros(T, dtype=torch.int64, device="cuda"), "positions": torch.arange(T, device="cuda")}
@@ -139,12 +145,14 @@ def overlap(root: str, steps: int) -> dict:
     run(None)  # warm up
     w = make_writer(root, threads=8, codec="raw")  # measure the GPU side, not compression
     run(w)
+    time.sleep(3)  # let the background pinning of the pool finish
     off = [run(None) for _ in range(3)]
     on = [run(w) for _ in range(3)]
     t_close = time.perf_counter()
     w.close()
-    return {"step_ms_off": round(min(off) * 1e3, 2), "step_ms_on": round(min(on) * 1e3, 2),
-            "ratio_on_off": round(min(on) / min(off), 4), "writer_drain_s": round(time.perf_counter() - t_close, 1)}
+    return {"matmuls": matmuls, "step_ms_off": round(min(off) * 1e3, 2), "step_ms_on": round(min(on) * 1e3, 2),
+            "ratio_on_off": round(min(on) / min(off), 4), "writer_drain_s": round(time.perf_counter() - t_close, 1),
+            "pinned_allocs_in_forward": w.pinned_pool.hot_allocs, "pinned_GB": round(w.pinned_pool.pinned_bytes / 1e9, 2)}
 
 
 def main() -> None:
@@ -158,7 +166,8 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "shape": f"{K}+1 x [{T}, {H}] bf16"}
         res["correctness"] = correctness(os.path.join(root, "c"), a.steps)
         res["bandwidth"] = bandwidth()
-        res["overlap"] = overlap(os.path.join(root, "o"), a.steps)
+        res["overlap_realistic_step"] = overlap(os.path.join(root, "o"), a.steps, 112)
+        res["overlap_short_step"] = overlap(os.path.join(root, "s"), a.steps, 8)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     text = json.dumps(res, indent=1)

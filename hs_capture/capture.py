@@ -183,7 +183,10 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
     writer = None
     if par.writes:
         config_mod.check_dump_dir(cfg.run_dir)
-        writer = ShardWriter(cfg, par.rank, _run_meta(cfg, hf_config, layers, args, par))
+        meta = _run_meta(cfg, hf_config, layers, args, par)
+        flags = meta["server_flags"]
+        rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
+        writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)))
         writer.start()
         _writers.add(writer)
         _install_shutdown()

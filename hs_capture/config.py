@@ -29,6 +29,7 @@ class CaptureConfig:
     max_inflight_bytes: int = 4 << 30
     on_full: str = "block"
     fsync: bool = True
+    prewarm_steps: int = 2
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -104,6 +105,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
         on_full=on_full,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
+        prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 2, 0, 64),
     )
 
 

@@ -16,27 +16,41 @@ import torch
 
 
 class PinnedPool:
-    """Reusable pinned host buffers, by power-of-two size class (cudaHostAlloc is slow)."""
+    """Reusable pinned host buffers. Pinning runs at ~1 GB/s (measured on the H200: 0.44 s for
+    one 8192-token DeepSeek step), so it must never happen per step: buffers are recycled
+    best-fit, and `prewarm` pins the expected step sizes on a background thread."""
+
+    GRANULE = 2 << 20
 
     def __init__(self) -> None:
-        self._free: Dict[int, List[torch.Tensor]] = {}
+        self._free: List[torch.Tensor] = []  # sorted by size
         self._lock = threading.Lock()
+        self.pinned_bytes = 0
+        self.hot_allocs = 0  # allocations a forward had to wait for
 
-    @staticmethod
-    def _size_class(nbytes: int) -> int:
-        return max(1 << 20, 1 << max(0, nbytes - 1).bit_length())
+    def _alloc(self, nbytes: int) -> torch.Tensor:
+        size = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        with self._lock:
+            self.pinned_bytes += size
+        return buf
 
     def take(self, nbytes: int) -> torch.Tensor:
-        size = self._size_class(nbytes)
         with self._lock:
-            bucket = self._free.get(size)
-            if bucket:
-                return bucket.pop()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+            self.hot_allocs += 1
+        return self._alloc(nbytes)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
-            self._free.setdefault(buf.numel(), []).append(buf)
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.numel())
+
+    def prewarm(self, sizes: List[int]) -> None:
+        for n in sizes:
+            self.give(self._alloc(n))
 
     def trim(self) -> None:
         with self._lock:
@@ -58,9 +72,27 @@ class Staged:
 
 
 class Stager:
-    def __init__(self) -> None:
+    def __init__(self, expected_rows: int = 0, prewarm_steps: int = 2) -> None:
         self._pool = PinnedPool()
         self._stream = None
+        self._expected_rows = expected_rows
+        self._prewarm_steps = prewarm_steps
+        self._prewarmed = False
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._pool
+
+    def _start_prewarm(self, tensors: Dict[str, torch.Tensor]) -> None:
+        """After the first CUDA step, pin buffers for full-size steps off the critical path."""
+        self._prewarmed = True
+        sizes = []
+        for t in tensors.values():
+            rows = max(self._expected_rows, t.shape[0]) if t.dim() else 1
+            row_bytes = (t.numel() // max(1, t.shape[0]) if t.dim() else 1) * t.element_size()
+            sizes.append(rows * row_bytes)
+        sizes = sizes * self._prewarm_steps
+        threading.Thread(target=self._pool.prewarm, args=(sizes,), name="hscap-pin", daemon=True).start()
 
     def stage(self, tensors: Dict[str, torch.Tensor]) -> Staged:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -88,6 +120,8 @@ class Stager:
                 out[name] = host
             event = torch.cuda.Event()
             event.record(side)
+        if not self._prewarmed:
+            self._start_prewarm(tensors)
         return Staged(out, nbytes, event, buffers)
 
     def release(self, staged: Staged) -> None:

@@ -90,12 +90,13 @@ class _Budget:
 class ShardWriter:
     """One per writing rank. `submit` is the only call on the forward's critical path."""
 
-    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any]) -> None:
+    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any], expected_rows: int = 0) -> None:
+        """expected_rows: the most tokens one step can hold (chunked prefill size), for pinning ahead."""
         self.cfg = cfg
         self.rank = rank
         self.run_dir = cfg.run_dir
         self.run_meta = dict(run_meta)
-        self._stager = Stager()
+        self._stager = Stager(expected_rows, cfg.prewarm_steps)
         self._budget = _Budget(cfg.max_inflight_bytes)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._index_lock = threading.Lock()
@@ -108,6 +109,10 @@ class ShardWriter:
         self.failure: Optional[str] = None
         # Fault injection for tests: a slow disk (seconds per step).
         self._test_delay = float(os.environ.get("HSCAP_TEST_WRITE_DELAY_MS", "0") or 0) / 1000.0
+
+    @property
+    def pinned_pool(self):
+        return self._stager.pool
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -133,7 +138,7 @@ class ShardWriter:
         done = not any(t.is_alive() for t in self._threads)
         self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
         self._write_meta()
-        self._stager._pool.trim()
+        self._stager.pool.trim()
         return done
 
     # ------------------------------------------------------------- hot path
@@ -245,8 +250,10 @@ class ShardWriter:
             self.stats[key] += 1
 
     def _write_meta(self) -> None:
+        pool = self._stager.pool
         with self._stats_lock:
-            body = {**self.run_meta, "stats": dict(self.stats)}
+            body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
+                                               "pinned_allocs_in_forward": pool.hot_allocs}}
         if self.failure:
             body["last_failure"] = self.failure
         data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
