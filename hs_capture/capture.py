@@ -189,6 +189,7 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)))
         writer.start()
         _writers.add(writer)
+        writer.prewarm(_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
         _install_shutdown()
     state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
@@ -199,6 +200,15 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
              type(causal_lm).__name__, layers, "entering-layer convention", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
     return state
+
+
+def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
+    """Host bytes of one full step: packed aux, final, input_ids, positions."""
+    if rows <= 0:
+        return []
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    itemsize = 4 if str(dtype).endswith("float32") else 2
+    return [rows * hidden * k * itemsize, rows * hidden * itemsize, rows * 8, rows * 8]
 
 
 def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, par: Any) -> Dict[str, Any]:

@@ -83,16 +83,29 @@ class Stager:
     def pool(self) -> PinnedPool:
         return self._pool
 
-    def _start_prewarm(self, tensors: Dict[str, torch.Tensor]) -> None:
-        """After the first CUDA step, pin buffers for full-size steps off the critical path."""
+    def prewarm_async(self, sizes: List[int], device: Optional[int] = None) -> None:
+        """Pin buffers of these sizes on a background thread, on `device`'s context (a bare
+        thread would otherwise create a context, and spend memory, on GPU 0)."""
         self._prewarmed = True
+        sizes = sizes * self._prewarm_steps
+        if not sizes:
+            return
+        if device is None:
+            device = torch.cuda.current_device()
+
+        def work() -> None:
+            torch.cuda.set_device(device)
+            self._pool.prewarm(sizes)
+
+        threading.Thread(target=work, name="hscap-pin", daemon=True).start()
+
+    def _step_sizes(self, tensors: Dict[str, torch.Tensor]) -> List[int]:
         sizes = []
         for t in tensors.values():
             rows = max(self._expected_rows, t.shape[0]) if t.dim() else 1
             row_bytes = (t.numel() // max(1, t.shape[0]) if t.dim() else 1) * t.element_size()
             sizes.append(rows * row_bytes)
-        sizes = sizes * self._prewarm_steps
-        threading.Thread(target=self._pool.prewarm, args=(sizes,), name="hscap-pin", daemon=True).start()
+        return sizes
 
     def stage(self, tensors: Dict[str, torch.Tensor]) -> Staged:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -121,8 +134,18 @@ class Stager:
             event = torch.cuda.Event()
             event.record(side)
         if not self._prewarmed:
-            self._start_prewarm(tensors)
+            self.prewarm_async(self._step_sizes(tensors))
         return Staged(out, nbytes, event, buffers)
+
+    @staticmethod
+    def unpin(staged: Staged) -> List[torch.Tensor]:
+        """Move a ready step out of pinned memory (one host memcpy) so its pinned buffers go
+        back to the pool at once instead of after compression and I/O."""
+        if not staged.buffers:
+            return []
+        staged.tensors = {k: v.clone() for k, v in staged.tensors.items()}
+        buffers, staged.buffers = staged.buffers, []
+        return buffers
 
     def release(self, staged: Staged) -> None:
         for buf in staged.buffers:

@@ -196,8 +196,15 @@ class ShardWriter:
                 parts[name] = t
         return parts
 
+    def prewarm(self, sizes: List[int]) -> None:
+        """Pin host buffers for full-size steps ahead of the first one (CUDA only)."""
+        if torch.cuda.is_available() and sizes:
+            self._stager.prewarm_async(sizes)
+
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
         staged.ready()
+        for buf in self._stager.unpin(staged):
+            self._stager.pool.give(buf)
         if self._test_delay:
             time.sleep(self._test_delay)
         files = {}
