@@ -43,13 +43,13 @@ def llm_like(t: int, h: int, gen: torch.Generator) -> torch.Tensor:
 
 def make_writer(root: str, threads: int, codec: str = "zstd") -> ShardWriter:
     cfg = CaptureConfig(dump_dir=root, run_id="run-gpu", layers=[2, 30, 58], codec=codec,
-                        writer_threads=threads, max_inflight_bytes=64 << 30, fsync=False)
+                        writer_threads=threads, max_inflight_bytes=4 << 30, fsync=False)
     w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H}, expected_rows=T)
     w.start()
     sizes = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model asks for at model init
     w.prewarm(sizes)
     deadline = time.time() + 30  # at model init there is ample time before the first request
-    while w.pinned_pool.pinned_bytes < 2 * sum(sizes) and time.time() < deadline:
+    while w.pinned_pool.pinned_bytes < (4 << 30) // sum(sizes) * sum(sizes) and time.time() < deadline:
         time.sleep(0.1)
     return w
 

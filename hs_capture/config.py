@@ -29,7 +29,7 @@ class CaptureConfig:
     max_inflight_bytes: int = 4 << 30
     on_full: str = "block"
     fsync: bool = True
-    prewarm_steps: int = 2
+    prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -105,7 +105,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
         on_full=on_full,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
-        prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 2, 0, 64),
+        prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
     )
 
 

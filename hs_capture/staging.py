@@ -72,10 +72,13 @@ class Staged:
 
 
 class Stager:
-    def __init__(self, expected_rows: int = 0, prewarm_steps: int = 2) -> None:
+    def __init__(self, expected_rows: int = 0, budget_bytes: int = 4 << 30, prewarm_steps: int = 0) -> None:
+        """prewarm_steps: full-size steps to pin ahead; 0 = as many as the in-flight budget holds,
+        so that in steady state no forward ever pins (past the budget the writer blocks it)."""
         self._pool = PinnedPool()
         self._stream = None
         self._expected_rows = expected_rows
+        self._budget = budget_bytes
         self._prewarm_steps = prewarm_steps
         self._prewarmed = False
 
@@ -87,9 +90,10 @@ class Stager:
         """Pin buffers of these sizes on a background thread, on `device`'s context (a bare
         thread would otherwise create a context, and spend memory, on GPU 0)."""
         self._prewarmed = True
-        sizes = sizes * self._prewarm_steps
         if not sizes:
             return
+        steps = self._prewarm_steps or self._budget // max(1, sum(sizes))
+        sizes = sizes * max(1, steps)
         if device is None:
             device = torch.cuda.current_device()
 
@@ -136,16 +140,6 @@ class Stager:
         if not self._prewarmed:
             self.prewarm_async(self._step_sizes(tensors))
         return Staged(out, nbytes, event, buffers)
-
-    @staticmethod
-    def unpin(staged: Staged) -> List[torch.Tensor]:
-        """Move a ready step out of pinned memory (one host memcpy) so its pinned buffers go
-        back to the pool at once instead of after compression and I/O."""
-        if not staged.buffers:
-            return []
-        staged.tensors = {k: v.clone() for k, v in staged.tensors.items()}
-        buffers, staged.buffers = staged.buffers, []
-        return buffers
 
     def release(self, staged: Staged) -> None:
         for buf in staged.buffers:

@@ -96,13 +96,9 @@ class ShardWriter:
         self.rank = rank
         self.run_dir = cfg.run_dir
         self.run_meta = dict(run_meta)
-        self._stager = Stager(expected_rows, cfg.prewarm_steps)
+        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps)
         self._budget = _Budget(cfg.max_inflight_bytes)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        # CUDA steps land first: one thread waits for each copy and moves it out of pinned
-        # memory in order, so pinned buffers return to the pool whatever the write backlog.
-        self._landing: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._lander: Optional[threading.Thread] = None
         self._index_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self.stats = {"steps_written": 0, "steps_dropped": 0, "steps_failed": 0,
@@ -124,8 +120,6 @@ class ShardWriter:
             os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
         self.run_meta.update(status="running", started=time.time())
         self._write_meta()
-        self._lander = threading.Thread(target=self._land, name="hscap-land", daemon=True)
-        self._lander.start()
         for i in range(self.cfg.writer_threads):
             t = threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
             t.start()
@@ -137,9 +131,6 @@ class ShardWriter:
             return True
         self._closed = True
         deadline = time.monotonic() + timeout
-        self._landing.put(None)
-        if self._lander is not None:
-            self._lander.join(timeout)
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
@@ -174,24 +165,10 @@ class ShardWriter:
         except BaseException:
             self._budget.release(nbytes)
             raise
-        (self._landing if staged.buffers else self._queue).put((step, meta, staged, aux_layers or []))
+        self._queue.put((step, meta, staged, aux_layers or []))
         return True
 
     # ------------------------------------------------------------- workers
-    def _land(self) -> None:
-        while True:
-            job = self._landing.get()
-            if job is None:
-                return
-            staged = job[2]
-            try:
-                staged.ready()
-                for buf in self._stager.unpin(staged):
-                    self._stager.pool.give(buf)
-            except Exception as e:  # the worker will count the step as failed
-                log.error("rank %s: step %d copy failed: %s", self.rank.tag, job[0], e)
-            self._queue.put(job)
-
     def _work(self) -> None:
         while True:
             job = self._queue.get()
