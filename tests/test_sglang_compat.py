@@ -1,0 +1,50 @@
+"""Feature detection against the real sglang in the test venv (nothing published: a bare
+process), plus the flag logic for releases that only have server-args flags."""
+
+import sys
+
+import pytest
+
+from hs_capture import sglang_compat as compat
+from tests.sglang_cpu.harness import SHIMS
+
+sys.path.insert(0, SHIMS)
+
+
+@pytest.mark.parametrize("args, expect", [
+    ({"device": "cpu"}, None),  # graphs are CUDA-only
+    ({"device": "cuda", "disable_cuda_graph": True}, None),
+    ({"device": "cuda", "disable_prefill_cuda_graph": True, "cuda_graph_backend_prefill": "breakable"}, None),
+    ({"device": "cuda", "cuda_graph_backend_prefill": "breakable"}, "cuda_graph_backend_prefill=breakable"),
+    ({"device": "cuda", "cuda_graph_backend_prefill": "disabled"}, None),
+    ({"device": "cuda", "enable_piecewise_cuda_graph": True}, "enable_piecewise_cuda_graph"),
+    ({"device": "cuda", "enable_piecewise_cuda_graph": True, "disable_piecewise_cuda_graph": True}, None),
+])
+def test_prefill_graph_detection_from_flags(args, expect):
+    import sglang.srt.model_executor.cuda_graph_config  # noqa: F401  the real module, unpublished here
+
+    assert compat.prefill_graph_state(args) == expect
+
+
+def test_ranks_default_to_a_single_process_without_distributed_state():
+    info = compat.parallel_info(None)
+    assert info.rank.tag == "dp0-tp0-pp0" and info.writes and info.tp_size >= 1
+
+
+def test_a_non_last_pipeline_stage_does_not_write():
+    class PP:
+        rank_in_group, world_size, is_last_rank = 0, 2, False
+
+    info = compat.parallel_info(PP())
+    assert info.rank.pp == 0 and not info.writes  # not the last stage: nothing to write
+
+
+def test_relevant_flags_keep_scalars_only():
+    flags = compat.relevant_flags({"chunked_prefill_size": 128, "disable_radix_cache": True,
+                                   "dtype": object(), "unrelated": 1})
+    assert flags["chunked_prefill_size"] == 128 and flags["disable_radix_cache"] is True
+    assert isinstance(flags["dtype"], str) and "unrelated" not in flags
+
+
+def test_sglang_version_is_read_from_metadata():
+    assert compat.sglang_version() == "0.5.23"
