@@ -199,6 +199,10 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
     log.info("%s: layers_to_capture=%s (%s); final state post-norm; %s",
              type(causal_lm).__name__, layers, "entering-layer convention", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
+    if writer is not None and meta["server_flags"].get("disable_radix_cache") is False:
+        log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
+                    "capture starts past position 0; such samples are detected and reported incomplete "
+                    "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
     return state
 
 

@@ -18,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 SHIMS = os.path.join(HERE, "shims")
 HOOK_DIR = os.path.join("hs_capture", "sitecustomize")  # relative: the documented form
+LAUNCHER = os.path.join(REPO, "bin", "hscap-serve")
 
 # Flags this CPU needs (see README.md here); capture itself needs none of them but
 # --disable-cuda-graph, which is a no-op on the CPU.
@@ -30,7 +31,13 @@ CPU_FLAGS = [
 
 
 def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
-    """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU."""
+    """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU.
+
+    Every token routes to all 8 experts (top-8 of 8): with top-2, a near-tie between two
+    experts' scores (1e-7 apart) is decided differently by SGLang and transformers now and
+    then (seen: 1 token of ~25k), and that token's state then differs by ~0.1. With all
+    experts chosen the MoE is a continuous weighting, and the comparison tests capture,
+    not tie-breaking."""
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
@@ -40,7 +47,7 @@ def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: 
     cfg = DeepseekV3Config(
         vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         rms_norm_eps=1e-6, max_position_embeddings=163840,
@@ -72,10 +79,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_env(dump_dir: Optional[str], **extra: str) -> Dict[str, str]:
+def server_env(dump_dir: Optional[str], hook: bool = True, **extra: str) -> Dict[str, str]:
+    """hook=False leaves the hook off PYTHONPATH (for a launcher that adds it itself)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_"))}
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # that path needs a CPU sgl_kernel no registry has
-    env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, SHIMS])
+    env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, SHIMS] if hook else [SHIMS])
     env["TORCHDYNAMO_DISABLE"] = "1"  # the MoE top-k would be torch.compiled for ~12 s otherwise
     if dump_dir is not None:
         env["HSCAP_DIR"] = dump_dir
@@ -86,12 +94,15 @@ def server_env(dump_dir: Optional[str], **extra: str) -> Dict[str, str]:
 class Server:
     """One real `python -m sglang.launch_server`, in its own process group."""
 
-    def __init__(self, model: str, env: Dict[str, str], log_path: str, extra_flags: Sequence[str] = ()) -> None:
+    def __init__(self, model: str, env: Dict[str, str], log_path: str, extra_flags: Sequence[str] = (),
+                 launcher: Optional[Sequence[str]] = None) -> None:
+        """The documented command, or with `launcher` (e.g. bin/hscap-serve -d DUMP --) in front of
+        the sglang flags instead of `python -m sglang.launch_server`."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--dtype", "float32",
-               *CPU_FLAGS, "--port", str(self.port), *extra_flags]
+        flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, "--port", str(self.port), *extra_flags]
+        cmd = [*launcher, *flags] if launcher else [sys.executable, "-m", "sglang.launch_server", *flags]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,0 +1,20 @@
+"""`hscap`: the offline command line, one module per command. Never imports sglang."""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from .ls_cmd import ls
+from .send_cmd import send
+from .serve_cmd import pythonpath, serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hscap")
+def main() -> None:
+    """Capture SGLang hidden states for EAGLE-3 drafter training."""
+
+
+for command in (pythonpath, serve, send, ls):
+    main.add_command(command)

@@ -1,0 +1,103 @@
+"""`hscap send`: feed a JSONL dataset to a running server that has capture on."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional
+
+import click
+
+from .. import send as sender
+from ..coverage import coverage, is_complete
+from ._common import JSON, QUIET, Progress, emit_json
+
+
+@click.command()
+@click.argument("dataset", type=click.Path(exists=True, dir_okay=False))
+@click.option("--url", default="http://127.0.0.1:30000", show_default=True, help="The SGLang server.")
+@click.option("--concurrency", "-c", default=8, show_default=True, type=click.IntRange(1, 4096),
+              help="Requests in flight (SGLang batches them into one forward).")
+@click.option("--dump-dir", "-d", "dump_dirs", multiple=True, type=click.Path(file_okay=False),
+              help="Resume: skip samples this dump already holds completely (repeatable).")
+@click.option("--retries", default=5, show_default=True, type=click.IntRange(0, 100),
+              help="Retries on connection errors and HTTP 5xx, with exponential back-off.")
+@click.option("--backoff", default=0.5, show_default=True, type=click.FloatRange(0), help="First back-off, seconds.")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(1), help="Seconds per request.")
+@click.option("--on-bad-line", type=click.Choice(["skip", "stop"]), default="skip", show_default=True,
+              help="A malformed line is reported with its number, then skipped or stops the run.")
+@click.option("--failures", "failures_path", default="hscap-send-failures.jsonl", show_default=True,
+              type=click.Path(dir_okay=False), help="Where failed and malformed samples are listed (JSONL).")
+@click.option("--dry-run", is_flag=True, help="Validate the dataset and count what would be sent; send nothing.")
+@QUIET
+@JSON
+def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries: int, backoff: float,
+         timeout: float, on_bad_line: str, failures_path: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
+    """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]) to the server's
+    /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
+    sent or was already captured."""
+    have = coverage([d for d in dump_dirs if os.path.isdir(d)]) if dump_dirs else {}
+
+    def skip(sample: sender.Sample) -> bool:
+        return sample.id in have and is_complete(have[sample.id], len(sample.input_ids))
+
+    failures: List[dict] = []
+
+    def on_failure(entry: dict) -> None:
+        failures.append(entry)
+        if not quiet and not as_json:
+            where = f"line {entry['line']}" + (f" (id {entry['id']!r})" if entry["id"] is not None else "")
+            msg = entry["error"] if entry["error"].startswith("line ") else f"{where}: {entry['error']}"
+            click.echo(f"hscap send: {msg}", err=True)
+
+    progress = Progress(enabled=not (quiet or as_json))
+
+    def on_progress(stats: sender.SendStats) -> None:
+        sps, tps = stats.rate()
+        progress.update(f"sent {stats.sent}  failed {stats.failed}  {sps:.1f} samples/s  {tps:,.0f} tokens/s")
+
+    if dry_run:
+        stats = sender.SendStats()
+        for n, sample, error in sender.read_dataset(dataset):
+            if error is not None:
+                stats.bad_lines += 1
+                on_failure({"id": None, "line": n, "error": error})
+                if on_bad_line == "stop":
+                    stats.stopped = True
+                    break
+            elif skip(sample):
+                stats.skipped_captured += 1
+            else:
+                stats.sent += 1
+                stats.tokens += len(sample.input_ids)
+    else:
+        stats = sender.run(url, sender.read_dataset(dataset), concurrency=concurrency, retries=retries,
+                           timeout=timeout, backoff=backoff, skip=skip, on_failure=on_failure,
+                           on_progress=on_progress, stop_on_bad_line=on_bad_line == "stop")
+    progress.close()
+    _write_failures(failures_path, failures)
+    sps, tps = stats.rate()
+    summary = {"sent" if not dry_run else "would_send": stats.sent, "tokens": stats.tokens,
+               "skipped_already_captured": stats.skipped_captured, "bad_lines": stats.bad_lines,
+               "failed": stats.failed, "retries": stats.retries, "stopped_at_bad_line": stats.stopped,
+               "samples_per_s": round(sps, 2), "tokens_per_s": round(tps, 1),
+               "failures_file": failures_path if failures else None}
+    if as_json:
+        emit_json(summary)
+    elif not quiet:
+        click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if v not in (None, False)))
+    if stats.failed or stats.bad_lines:
+        raise SystemExit(1)
+
+
+def _write_failures(path: str, failures: List[dict]) -> Optional[str]:
+    if not failures:
+        if os.path.exists(path):
+            os.remove(path)  # a stale list from an earlier run would mislead
+        return None
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for entry in failures:
+            f.write(json.dumps(entry) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,63 @@
+"""`hscap pythonpath` and `hscap serve`: start SGLang with the capture hook loaded."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Tuple
+
+import click
+
+HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
+
+# The flags capture needs, each for a reason (README "Launcher"):
+CAPTURE_FLAGS = (
+    # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
+    # A capture run decodes one token per request, so decode graphs buy nothing either.
+    "--disable-cuda-graph",
+    # A radix-cache prefix hit is never recomputed: that sample's capture would start past 0.
+    "--disable-radix-cache",
+    # The warmup request is not the user's data.
+    "--skip-server-warmup",
+)
+
+
+@click.command()
+def pythonpath() -> None:
+    """Print the directory to put on PYTHONPATH to load the capture hook.
+
+    \b
+    PYTHONPATH=$(hscap pythonpath) HSCAP_DIR=/data/hs python -m sglang.launch_server ...
+    """
+    click.echo(HOOK_DIR)
+
+
+def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> Tuple[list, dict]:
+    env = dict(os.environ)
+    env["HSCAP_DIR"] = os.path.abspath(dump_dir)
+    env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    given = set(a.split("=", 1)[0] for a in sglang_args)
+    flags = [f for f in CAPTURE_FLAGS if f not in given]
+    return [python, "-m", "sglang.launch_server", *flags, *sglang_args], env
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--dump-dir", "-d", required=True, type=click.Path(file_okay=False),
+              help="Where the hidden states go (HSCAP_DIR).")
+@click.option("--layers", help="HSCAP_LAYERS, e.g. 2,30,58 (entering-layer convention).")
+@click.option("--python", default=sys.executable, show_default=True, help="The server's Python.")
+@click.option("--dry-run", is_flag=True, help="Print the command and exit.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def serve(dump_dir: str, layers: str, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
+    """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
+
+    Adds --disable-cuda-graph, --disable-radix-cache and --skip-server-warmup (see README);
+    every other flag is passed through.
+    """
+    cmd, env = build_command(dump_dir, sglang_args, python)
+    if layers:
+        env["HSCAP_LAYERS"] = layers
+    if dry_run:
+        click.echo(" ".join(cmd))
+        return
+    os.execvpe(cmd[0], cmd, env)

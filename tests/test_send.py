@@ -1,0 +1,104 @@
+"""hscap send's own logic: dataset validation, retries with back-off, failures file, resume
+bookkeeping. (Against the real server: tests/test_e2e.py.)"""
+
+import http.server
+import json
+import threading
+
+import pytest
+from click.testing import CliRunner
+
+from hs_capture.cli import main
+from hs_capture.coverage import holes, is_complete
+
+
+class FlakyHandler(http.server.BaseHTTPRequestHandler):
+    """503 for the first `fail` requests, then 200: a server restarting under load."""
+
+    fail = 2
+    seen = []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FlakyHandler.seen.append(body)
+        code = 503 if len(FlakyHandler.seen) <= FlakyHandler.fail else (400 if body["rid"] == "bad" else 200)
+        self.send_response(code)
+        self.end_headers()
+        self.wfile.write(b'{"ok": true}' if code == 200 else b'{"error": "busy"}')
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def flaky():
+    FlakyHandler.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FlakyHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def write(path, lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, ["send", *args], catch_exceptions=False)
+
+
+def test_5xx_is_retried_with_backoff_and_4xx_is_not(tmp_path, flaky):
+    ds = write(tmp_path / "d.jsonl", [{"id": "a", "input_ids": [5, 6]}, {"id": "bad", "input_ids": [7]}])
+    fails = tmp_path / "f.jsonl"
+    res = invoke(ds, "--url", flaky, "-c", "1", "--backoff", "0.01", "--json", "--failures", str(fails))
+    summary = json.loads(res.output)
+    assert summary["sent"] == 1 and summary["failed"] == 1 and summary["retries"] == 2
+    assert res.exit_code == 1
+    (failure,) = [json.loads(x) for x in fails.read_text().splitlines()]
+    assert failure["id"] == "bad" and failure["line"] == 2 and "HTTP 400" in failure["error"]
+    sent = FlakyHandler.seen[-2:]
+    assert {b["rid"] for b in sent} == {"a", "bad"}
+    assert all(b["sampling_params"] == {"max_new_tokens": 1, "temperature": 0} for b in sent)
+
+
+def test_connection_errors_give_up_after_the_retries(tmp_path):
+    ds = write(tmp_path / "d.jsonl", [{"id": 1, "input_ids": [5]}])
+    res = invoke(ds, "--url", "http://127.0.0.1:9", "--retries", "2", "--backoff", "0.01", "--json",
+                 "--failures", str(tmp_path / "f.jsonl"))
+    summary = json.loads(res.output)
+    assert res.exit_code == 1 and summary["failed"] == 1 and summary["retries"] == 2
+    assert "connection" in (tmp_path / "f.jsonl").read_text()
+
+
+BAD = ["{not json", {"id": "", "input_ids": [1]}, {"id": "x", "input_ids": []}, {"id": "y", "input_ids": [1, -2]},
+       {"id": "z", "input_ids": [1, 2], "loss_mask": [1]}, [1, 2], {"id": True, "input_ids": [1]}]
+
+
+def test_malformed_lines_are_named_and_skipped(tmp_path, flaky):
+    FlakyHandler.fail = 0
+    try:
+        ds = write(tmp_path / "d.jsonl", [{"id": "ok1", "input_ids": [1]}, *BAD, {"id": "ok1", "input_ids": [2]},
+                                           {"id": "ok2", "input_ids": [3], "loss_mask": [0]}])
+        res = CliRunner().invoke(main, ["send", ds, "--url", flaky, "--failures", str(tmp_path / "f.jsonl")])
+    finally:
+        FlakyHandler.fail = 2
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    lines = [json.loads(x)["line"] for x in (tmp_path / "f.jsonl").read_text().splitlines()]
+    assert lines == [2, 3, 4, 5, 6, 7, 8, 9]  # 9: the duplicate id
+    assert "line 2: not JSON" in res.output and "line 9: duplicate id 'ok1'" in res.output
+    assert sorted(b["rid"] for b in FlakyHandler.seen) == ["ok1", "ok2"]
+
+
+def test_stop_on_bad_line_sends_nothing_after_it(tmp_path, flaky):
+    ds = write(tmp_path / "d.jsonl", ["{not json", {"id": "later", "input_ids": [1]}])
+    res = invoke(ds, "--url", flaky, "--on-bad-line", "stop", "--json", "--failures", str(tmp_path / "f.jsonl"))
+    summary = json.loads(res.output)
+    assert res.exit_code == 1 and summary["stopped_at_bad_line"] and FlakyHandler.seen == []
+
+
+def test_coverage_intervals():
+    assert is_complete([(0, 10)], 10) and is_complete([(0, 11)], 10)
+    assert not is_complete([(3, 10)], 10) and not is_complete([], 1)
+    assert holes([(0, 4), (6, 10)], 12) == [(4, 6), (10, 12)]
+    assert holes([(2, 12)], 12) == [(0, 2)]
