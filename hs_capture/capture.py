@@ -49,6 +49,22 @@ class ModelCapture:
         self._last_set: Optional[List[int]] = None
         self.errors = 0
         self.steps = 0
+        self._want_prenorm = False
+        self._prenorm: Optional[torch.Tensor] = None
+        self.prenorm_hooked = False
+
+    def hook_prenorm(self, norm: Any) -> None:
+        """Capture the final norm's input. Called as norm(hidden, residual) it returns
+        (normed, hidden + residual): the updated residual IS the pre-norm state, taken
+        after any fused all-reduce; called as norm(hidden), the input is."""
+
+        def after_norm(module, inputs, output):
+            if self._want_prenorm:
+                pre = output[1] if isinstance(output, tuple) and len(output) > 1 else inputs[0]
+                self._prenorm = pre.detach().clone()  # borrowed storage: own a copy
+
+        self._prenorm_handle = norm.register_forward_hook(after_norm)
+        self.prenorm_hooked = True
 
     # The host may call set_eagle3_layers_to_capture after us, possibly with the very layers
     # we chose: it always assigns a new list, so a list object we did not set is theirs.
@@ -72,7 +88,11 @@ class ModelCapture:
         except Exception as e:  # never let bookkeeping break serving
             self._error("layer bookkeeping", e)
             capturing, current = False, list(model.layers_to_capture)
-        out = wrapped(*args, **kwargs)
+        self._want_prenorm = capturing and self.prenorm_hooked
+        try:
+            out = wrapped(*args, **kwargs)
+        finally:
+            self._want_prenorm = False
         hidden, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
         if capturing and aux is not None:
             try:
@@ -113,6 +133,11 @@ class ModelCapture:
             "tokens": fb.input_ids[:n],
             "positions": fb.positions[:n],
         }
+        if self.prenorm_hooked:
+            pre, self._prenorm = self._prenorm, None
+            if pre is None or pre.shape[0] < n:
+                raise ValueError("the final norm's input was not seen in this forward")
+            tensors["prenorm"] = pre[:n]
         aux_layers: List[int] = []
         if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
             if aux.shape[-1] != h * len(current):
@@ -154,6 +179,9 @@ class ModelCapture:
     def restore(self, model: Any) -> None:
         """Give SGLang back the capture settings it had before us."""
         model.layers_to_capture = list(self.host_layers)
+        if self.prenorm_hooked:
+            self._prenorm_handle.remove()
+            self.prenorm_hooked = False
         parent = self._parent()
         if parent is not None:
             parent.capture_aux_hidden_states = self.host_flag or bool(self.host_layers)
@@ -192,12 +220,15 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
         writer.prewarm(_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
         _install_shutdown()
     state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm)
+    if cfg.prenorm and writer is not None:
+        state.hook_prenorm(model.norm)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
     state.layers_for(model, capturing=True)
     causal_lm.capture_aux_hidden_states = True
     where = f"writing {cfg.run_dir} as {par.rank.tag}" if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
-    log.info("%s: layers_to_capture=%s (%s); final state post-norm; %s",
-             type(causal_lm).__name__, layers, "entering-layer convention", where)
+    log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; %s",
+             type(causal_lm).__name__, layers, "entering-layer convention",
+             " and pre-norm" if cfg.prenorm else "", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
     if writer is not None and meta["server_flags"].get("disable_radix_cache") is False:
         log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
@@ -234,6 +265,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, 
         "layer_convention": LAYER_CONVENTION,
         "sglang_layers_to_capture": layers,
         "final_state": "post_norm",
+        "prenorm": cfg.prenorm,
         "parallel": par.as_dict(),
         "server_flags": flags,
         "codec": cfg.codec,

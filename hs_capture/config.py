@@ -30,6 +30,7 @@ class CaptureConfig:
     on_full: str = "block"
     fsync: bool = True
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
+    prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -106,6 +107,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         on_full=on_full,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
+        prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
     )
 
 

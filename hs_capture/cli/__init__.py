@@ -6,6 +6,7 @@ import click
 
 from .. import __version__
 from .ls_cmd import ls
+from .merge_cmd import merge_cmd
 from .send_cmd import send
 from .serve_cmd import pythonpath, serve
 
@@ -18,3 +19,4 @@ def main() -> None:
 
 for command in (pythonpath, serve, send, ls):
     main.add_command(command)
+main.add_command(merge_cmd, name="merge")

@@ -162,17 +162,24 @@ class Server:
             return f.read().decode(errors="replace")
 
 
-def hf_hidden_states(model_dir: str, input_ids: List[int]):
-    """transformers' float32 forward: hidden_states[i] enters layer i; the last is post-norm."""
+def hf_hidden_states(model_dir: str, input_ids: List[int], prenorm: bool = False):
+    """transformers' float32 forward: hidden_states[i] enters layer i; the last is post-norm.
+    With prenorm, also the final norm's input (returned as a second value)."""
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    global _HF
     if _HF.get(model_dir) is None:
         _HF[model_dir] = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = _HF[model_dir](torch.tensor([input_ids]), output_hidden_states=True)
-    return [h[0].numpy() for h in out.hidden_states]
+    hf = _HF[model_dir]
+    seen = {}
+    handle = hf.model.norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", a[0][0].clone()))
+    try:
+        with torch.no_grad():
+            out = hf(torch.tensor([input_ids]), output_hidden_states=True)
+    finally:
+        handle.remove()
+    states = [h[0].numpy() for h in out.hidden_states]
+    return (states, seen["pre"].numpy()) if prenorm else states
 
 
 _HF: Dict[str, object] = {}

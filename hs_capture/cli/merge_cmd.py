@@ -1,0 +1,69 @@
+"""`hscap merge`: dumps to training-ready samples."""
+
+from __future__ import annotations
+
+import os
+from typing import List, Tuple
+
+import click
+
+from ..formats import FORMATS
+from ..merge import REPORT, MergeError, MergeResult, merge
+from ..reader import DumpError
+from ._common import JSON, QUIET, Progress, emit_json
+
+
+def _shard(ctx, param, value: str) -> Tuple[int, int]:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise click.BadParameter("expected i/N, e.g. 0/4") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise click.BadParameter(f"{value}: need 0 <= i < N")
+    return i, n
+
+
+@click.command()
+@click.argument("dumps", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option("--format", "fmt_name", required=True, type=click.Choice(sorted(FORMATS)), help="Training format.")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
+              help="The JSONL sent: loss masks joined by id, token ids checked; only its ids are merged.")
+@click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")
+@click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row %% N == i.")
+@click.option("--cache-mb", default=2048, show_default=True, type=click.IntRange(16),
+              help="Decoded step data kept in memory (all workers together).")
+@QUIET
+@JSON
+def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs: int, shard: Tuple[int, int],
+              cache_mb: int, quiet: bool, as_json: bool) -> None:
+    """Stitch every request in DUMPS (dump or run dirs, e.g. one per node) and write one
+    file per complete sample. Incomplete samples are never written: they are listed, with
+    the reason, in OUT/merge_report.json. Re-running skips finished files."""
+    progress = Progress(enabled=not (quiet or as_json))
+
+    def on_progress(r: MergeResult, total: int) -> None:
+        progress.update(f"merged {r.written + r.skipped_existing}/{total}  {r.tokens:,} tokens  "
+                        f"{r.raw_bytes / 1e9:.2f} GB raw")
+
+    try:
+        res = merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb << 20, on_progress)
+    except (MergeError, DumpError) as e:
+        raise click.ClickException(str(e))
+    progress.close()
+    summary = {"format": res.format, "shard": res.shard, "written": res.written,
+               "skipped_existing": res.skipped_existing, "incomplete": len(res.incomplete), "tokens": res.tokens,
+               "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
+               "seconds": res.seconds, "loss_mask": res.loss_mask_source,
+               "report": os.path.join(out_dir, REPORT)}
+    if as_json:
+        emit_json(summary)
+        return
+    if not quiet:
+        if res.loss_mask_source != "dataset":
+            click.echo("hscap merge: no --dataset: loss_mask is all ones", err=True)
+        for rid, why in sorted(res.incomplete.items())[:20]:
+            click.echo(f"hscap merge: skipped {rid!r}: {why}", err=True)
+        if len(res.incomplete) > 20:
+            click.echo(f"hscap merge: ... {len(res.incomplete) - 20} more in {summary['report']}", err=True)
+    click.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

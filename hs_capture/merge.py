@@ -1,0 +1,158 @@
+"""`hscap merge`: dumps -> training-ready samples, streaming, resumable, shardable.
+
+Rows: a sample's row is its place in the dataset (with --dataset) or in rid order, fixed
+before any sharding, so `--shard i/N` merges on N machines produce disjoint, consistent
+files. Work order: by first step, so samples that share steps are cut from one decode.
+A file that exists is done (writes are atomic); leftover temp files are removed first.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .assemble import Assembler, Plan, plan
+from .formats import FORMATS
+from .layout import TEMP_MARK
+from .send import read_dataset
+from .writer import atomic_write
+
+REPORT = "merge_report.json"
+
+
+class MergeError(Exception):
+    """Bad merge input: the message is the one line the CLI prints."""
+
+
+@dataclass
+class Dataset:
+    """What --dataset gives: per id, the token ids and loss mask."""
+
+    ids: Dict[str, List[int]]
+    masks: Dict[str, Optional[List[int]]]
+    order: List[str]
+
+
+def load_dataset(path: str) -> Dataset:
+    ids, masks, order = {}, {}, []
+    for n, sample, error in read_dataset(path):
+        if error is not None:
+            raise MergeError(f"{path}: {error}")
+        ids[sample.id] = sample.input_ids
+        order.append(sample.id)
+    # loss masks are read in a second pass: read_dataset validated them already
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                obj = json.loads(raw)
+                masks[str(obj["id"])] = obj.get("loss_mask")
+    return Dataset(ids, masks, order)
+
+
+@dataclass
+class MergeResult:
+    format: str
+    written: int = 0
+    skipped_existing: int = 0
+    tokens: int = 0
+    bytes_in: int = 0  # compressed bytes read from the dumps
+    raw_bytes: int = 0  # decoded tensor bytes of the samples written
+    bytes_out: int = 0
+    seconds: float = 0.0
+    loss_mask_source: str = "dataset"
+    shard: str = "0/1"
+    incomplete: Dict[str, str] = field(default_factory=dict)  # rid -> reason (never written)
+
+    def add(self, other: "MergeResult") -> None:
+        for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.incomplete.update(other.incomplete)
+
+
+def _rows(p: Plan, ds: Optional[Dataset]) -> List[Tuple[int, str]]:
+    """Every sample's row, incomplete ones included, so rows never depend on what was captured."""
+    order = ds.order if ds is not None else sorted(set(p.samples) | set(p.incomplete))
+    return list(enumerate(order))
+
+
+def _work(args) -> MergeResult:
+    p, items, out_dir, fmt_name, ds, cache_bytes = args
+    name_of, write = FORMATS[fmt_name]
+    asm = Assembler(p, cache_bytes)
+    res = MergeResult(fmt_name)
+    for row, rid in items:
+        path = os.path.join(out_dir, name_of(rid, row))
+        if os.path.exists(path):
+            res.skipped_existing += 1
+            continue
+        s = asm.sample(rid)
+        if ds is not None:
+            want = ds.ids[rid]
+            got = s.input_ids.tolist()
+            if got != want:
+                k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
+                continue
+        mask = ds.masks.get(rid) if ds is not None else None
+        loss_mask = torch.tensor(mask, dtype=torch.int64) if mask is not None else torch.ones(len(s.input_ids), dtype=torch.int64)
+        res.bytes_out += write(path, s, loss_mask)
+        res.written += 1
+        res.tokens += len(s.input_ids)
+        res.raw_bytes += s.raw_bytes
+    res.bytes_in = asm.bytes_read
+    return res
+
+
+def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Optional[str] = None,
+          jobs: int = 1, shard: Tuple[int, int] = (0, 1), cache_bytes: int = 2 << 30,
+          on_progress: Optional[Callable[[MergeResult, int], None]] = None) -> MergeResult:
+    if fmt_name not in FORMATS:
+        raise MergeError(f"unknown format {fmt_name!r}: choose from {sorted(FORMATS)}")
+    t0 = time.monotonic()
+    ds = load_dataset(dataset) if dataset else None
+    p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
+    if fmt_name == "speculators" and not p.prenorm:
+        raise MergeError("speculators needs the pre-norm final state: capture with HSCAP_PRENORM=1")
+    if fmt_name == "speculators" and len(p.layers) != 3:
+        raise MergeError(f"speculators takes exactly 3 aux layers; the dump has {p.layers}")
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # a killed merge's half-written files
+        if TEMP_MARK in name:
+            os.remove(os.path.join(out_dir, name))
+    i, n = shard
+    rows = [(row, rid) for row, rid in _rows(p, ds) if row % n == i]
+    mine = [(row, rid) for row, rid in rows if rid in p.samples]
+    first_step = {rid: (pc[0].run, pc[0].rank, pc[0].step) for rid, pc in p.samples.items()}
+    mine.sort(key=lambda item: first_step[item[1]])  # cache locality
+    total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)",
+                        shard=f"{i}/{n}")
+    total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
+    chunk = max(1, min(64, len(mine) // max(1, jobs * 4) or 1))
+    batches = [mine[k:k + chunk] for k in range(0, len(mine), chunk)]
+    args = [(p, b, out_dir, fmt_name, ds, cache_bytes // max(1, jobs)) for b in batches]
+    done = 0
+    if jobs <= 1:
+        results = map(_work, args)
+        for r in results:
+            total.add(r)
+            done += 1
+            if on_progress:
+                on_progress(total, len(mine))
+    else:
+        # spawn, not fork: a forked torch process with live threads can deadlock
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for r in pool.map(_work, args):
+                total.add(r)
+                if on_progress:
+                    on_progress(total, len(mine))
+    total.seconds = round(time.monotonic() - t0, 3)
+    report = asdict(total)
+    atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)
+    return total

@@ -1,0 +1,176 @@
+"""hscap merge on a dump from the REAL CPU server (pre-norm capture on): every format's
+samples equal transformers' hidden states; multi-dir, sharded and resumed merges give the
+same files as one clean merge; incomplete samples are listed, never written."""
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from hs_capture.cli import main
+from tests.conftest import NUM_LAYERS
+from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
+from tests.test_e2e import hscap_send, write_jsonl
+
+LAYERS = [1, 3, 5]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def dump(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("merge")
+    rng = random.Random(7)
+    rows = []
+    for i, n in enumerate([1, 5, 64, 130, 257, 400, 33, 600, 12, 99, 300, 2]):
+        ids = [rng.randrange(2, 1000) for _ in range(n)]
+        rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
+    data = write_jsonl(root / "data.jsonl", rows)
+    d = str(root / "dump")
+    srv = Server(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), str(root / "server.log"),
+                 ["--chunked-prefill-size", "128", "--disable-radix-cache"])
+    try:
+        srv.wait_healthy()
+        rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(root / "f.jsonl"))
+        assert rc == 0 and summary["sent"] == len(rows)
+    finally:
+        srv.stop()
+    assert "final state post-norm and pre-norm" in srv.log()
+    return {"dir": d, "rows": rows, "data": data, "root": root}
+
+
+def run_merge(*args):
+    res = CliRunner().invoke(main, ["merge", "--json", *args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.output.strip().splitlines()[-1])
+
+
+def files_of(out):
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n != "merge_report.json"}
+
+
+def by_rid(rows):
+    return {r["id"]: r for r in rows}
+
+
+def test_specforge_samples_equal_transformers(dump, tiny_model, tmp_path):
+    out = str(tmp_path / "sf")
+    s = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    assert s["written"] == len(dump["rows"]) and s["incomplete"] == 0 and s["loss_mask"] == "dataset"
+    rows = by_rid(dump["rows"])
+    seen = set()
+    for name in os.listdir(out):
+        if not name.endswith(".ckpt"):
+            continue
+        d = torch.load(os.path.join(out, name), mmap=True, weights_only=True)  # how SpecForge loads
+        ids = d["input_ids"].tolist()
+        row = next(r for r in rows.values() if r["input_ids"] == ids)
+        seen.add(row["id"])
+        t = len(ids)
+        assert d["input_ids"].dtype == torch.int64 and d["loss_mask"].dtype == torch.int64
+        assert d["loss_mask"].tolist() == row["loss_mask"]
+        assert d["aux_hidden_state"].shape == (1, t, 3 * 256) and d["hidden_state"].shape == (1, t, 256)
+        ref = hf_hidden_states(tiny_model, ids)
+        aux = np.concatenate([ref[k] for k in LAYERS], axis=-1)
+        assert np.abs(d["aux_hidden_state"][0].numpy() - aux).max() <= TOL
+        assert np.abs(d["hidden_state"][0].numpy() - ref[NUM_LAYERS]).max() <= TOL
+    assert seen == set(rows)
+
+
+def test_modelopt_samples_load_weights_only_and_match(dump, tiny_model, tmp_path):
+    out = str(tmp_path / "mo")
+    run_merge(dump["dir"], "-o", out, "--format", "modelopt", "--dataset", dump["data"])
+    rows = by_rid(dump["rows"])
+    names = [n for n in os.listdir(out) if n.endswith(".pt")]
+    assert len(names) == len(rows)
+    for name in names:
+        d = torch.load(os.path.join(out, name), weights_only=True)
+        assert set(d) == {"conversation_id", "input_ids", "hidden_states", "aux_hidden_states", "loss_mask",
+                          "hidden_states_prenorm"}
+        row = rows[d["conversation_id"]]
+        assert d["input_ids"].tolist() == row["input_ids"] and d["loss_mask"].tolist() == row["loss_mask"]
+        ref = hf_hidden_states(tiny_model, row["input_ids"])
+        assert np.abs(d["hidden_states"].numpy() - ref[NUM_LAYERS]).max() <= TOL
+        aux = np.concatenate([ref[k] for k in LAYERS], axis=-1)
+        assert np.abs(d["aux_hidden_states"].numpy() - aux).max() <= TOL
+
+
+def test_speculators_rows_hold_three_aux_and_the_prenorm_final(dump, tiny_model, tmp_path):
+    from safetensors.torch import load_file  # the reader speculators uses
+
+    out = str(tmp_path / "sp")
+    run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    for row, r in enumerate(dump["rows"]):  # rows follow the dataset order
+        d = load_file(os.path.join(out, f"hs_{row}.safetensors"))
+        t = len(r["input_ids"])
+        assert d["token_ids"].tolist() == r["input_ids"] and d["hidden_states"].shape == (t, 4, 256)
+        ref, pre = hf_hidden_states(tiny_model, r["input_ids"], prenorm=True)
+        for j, layer in enumerate(LAYERS):
+            assert np.abs(d["hidden_states"][:, j].numpy() - ref[layer]).max() <= TOL
+        assert np.abs(d["hidden_states"][:, 3].numpy() - pre).max() <= TOL
+        assert np.abs(pre - ref[NUM_LAYERS]).max() > 0.1  # pre-norm really differs from post-norm
+
+
+def test_multi_dir_and_sharded_merges_equal_one_merge(dump, tmp_path):
+    one = str(tmp_path / "one")
+    run_merge(dump["dir"], "-o", one, "--format", "specforge")
+    # two "nodes": each holds part of the run's index lines (the data files are shared)
+    (run_dir,) = [os.path.join(dump["dir"], d) for d in os.listdir(dump["dir"])]
+    halves = []
+    for k in range(2):
+        node = tmp_path / f"node{k}" / os.path.basename(run_dir)
+        shutil.copytree(run_dir, node)
+        index = node / "index" / "dp0-tp0-pp0.jsonl"
+        lines = index.read_text().splitlines(keepends=True)
+        index.write_text("".join(lines[k::2]))
+        halves.append(str(node.parent))
+    multi = str(tmp_path / "multi")
+    run_merge(*halves, "-o", multi, "--format", "specforge")
+    sharded = str(tmp_path / "sharded")
+    for i in range(3):
+        run_merge(dump["dir"], "-o", sharded, "--format", "specforge", "--shard", f"{i}/3", "-j", "2")
+    assert files_of(multi) == files_of(one) == files_of(sharded)
+
+
+def test_a_killed_merge_resumes_to_identical_output(dump, tmp_path):
+    clean = str(tmp_path / "clean")
+    run_merge(dump["dir"], "-o", clean, "--format", "modelopt")
+    out = str(tmp_path / "resumed")
+    shutil.copytree(clean, out)
+    names = sorted(n for n in os.listdir(out) if n.endswith(".pt"))
+    for n in names[::2]:  # what a kill leaves: some files done, others not started,
+        os.remove(os.path.join(out, n))
+    with open(os.path.join(out, f".{names[0]}.tmp-12345"), "wb") as f:  # and one half written
+        f.write(b"PK\x03\x04 half a zip")
+    s = run_merge(dump["dir"], "-o", out, "--format", "modelopt")
+    assert s["skipped_existing"] == len(names) - len(names[::2]) and s["written"] == len(names[::2])
+    assert files_of(out) == files_of(clean)
+
+
+def test_incomplete_samples_are_listed_never_written(dump, tmp_path):
+    rows = [dict(r) for r in dump["rows"]]
+    rows[3] = {**rows[3], "input_ids": rows[3]["input_ids"] + [7], "loss_mask": rows[3]["loss_mask"] + [1]}
+    rows[4] = {**rows[4], "input_ids": [9] + rows[4]["input_ids"][1:]}  # same length, other tokens
+    rows.append({"id": "never-sent", "input_ids": [1, 2, 3]})
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = str(tmp_path / "inc")
+    s = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", data)
+    report = json.load(open(os.path.join(out, "merge_report.json")))
+    assert s["written"] == len(rows) - 3 and s["incomplete"] == 3
+    assert report["incomplete"] == {
+        rows[3]["id"]: f"positions {len(rows[3]['input_ids']) - 1}..{len(rows[3]['input_ids']) - 1} missing",
+        rows[4]["id"]: "token ids differ from the dataset at position 0",
+        "never-sent": "never captured"}
+    assert len([n for n in os.listdir(out) if n.endswith(".ckpt")]) == len(rows) - 3
+
+
+def test_bad_merge_input_is_one_line(dump, tmp_path):
+    res = CliRunner().invoke(main, ["merge", str(tmp_path), "-o", str(tmp_path / "o"), "--format", "specforge"])
+    assert res.exit_code == 1 and "no hs_capture run found" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["merge", dump["dir"], "-o", str(tmp_path / "o"), "--format", "specforge",
+                                    "--shard", "3/2"])
+    assert res.exit_code == 2 and "need 0 <= i < N" in res.output
