@@ -96,3 +96,36 @@ FORMATS = {
     "modelopt": (lambda rid, row: sample_file_stem(rid) + ".pt", write_modelopt),
     "speculators": (lambda rid, row: f"hs_{row}.safetensors", write_speculators),
 }
+
+
+# ---------------------------------------------------------------- native packed shards
+HSCAP_INDEX = "index.json"
+
+
+def write_hscap_shard(path: str, items, codec: str = "zstd", level: int = 1) -> int:
+    """One .hst file holding many samples: tensors "<row>/aux", "<row>/final", "<row>/input_ids",
+    "<row>/loss_mask" (and "<row>/prenorm"); the header's offsets give random access, and
+    its metadata lists the samples, so the index can be rebuilt from headers alone.
+    items: (row, SampleTensors, loss_mask) triples."""
+    from . import format as fmt
+
+    def raw(name: str, t: torch.Tensor) -> "fmt.RawTensor":
+        t = t.contiguous()
+        data = memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        return fmt.RawTensor(name, str(t.dtype).replace("torch.", ""), list(t.shape), data)
+
+    tensors, listing = [], []
+    for row, s, mask in items:
+        tensors += [raw(f"{row}/aux", _aux(s)), raw(f"{row}/final", s.final),
+                    raw(f"{row}/input_ids", s.input_ids), raw(f"{row}/loss_mask", mask.to(torch.int64))]
+        if s.prenorm is not None:
+            tensors.append(raw(f"{row}/prenorm", s.prenorm))
+        listing.append([s.rid, row, len(s.input_ids)])
+    chunks = fmt.encode_file(tensors, {"samples": json.dumps(listing)}, codec, level)
+    return _atomic(path, lambda p: _write_chunks(p, chunks))
+
+
+def _write_chunks(path: str, chunks) -> None:
+    with open(path, "wb") as f:
+        for c in chunks:
+            f.write(c)

@@ -19,12 +19,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .assemble import Assembler, Plan, plan
-from .formats import FORMATS
+from . import format as fmt
+from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
 from .layout import TEMP_MARK
 from .send import read_dataset
 from .writer import atomic_write
 
 REPORT = "merge_report.json"
+ALL_FORMATS = sorted(FORMATS) + ["hscap"]
+SAMPLES_PER_SHARD = 256
 
 
 class MergeError(Exception):
@@ -82,6 +85,59 @@ def _rows(p: Plan, ds: Optional[Dataset]) -> List[Tuple[int, str]]:
     return list(enumerate(order))
 
 
+def _checked_sample(asm: Assembler, rid: str, ds: Optional[Dataset], res: MergeResult):
+    """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
+    s = asm.sample(rid)
+    if ds is not None:
+        want = ds.ids[rid]
+        got = s.input_ids.tolist()
+        if got != want:
+            k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
+            return None
+    mask = ds.masks.get(rid) if ds is not None else None
+    loss_mask = torch.tensor(mask, dtype=torch.int64) if mask is not None else torch.ones(len(s.input_ids), dtype=torch.int64)
+    return s, loss_mask
+
+
+def _work_shard(args) -> MergeResult:
+    """Native format: one packed shard file per batch of rows."""
+    p, path, items, ds, cache_bytes = args
+    asm = Assembler(p, cache_bytes)
+    res = MergeResult("hscap")
+    if os.path.exists(path):
+        res.skipped_existing += len(items)
+        return res
+    packed = []
+    for row, rid in sorted(items, key=lambda it: (p.samples[it[1]][0].run, p.samples[it[1]][0].step)):
+        got = _checked_sample(asm, rid, ds, res)
+        if got is not None:
+            packed.append((row, got[0], got[1]))
+            res.written += 1
+            res.tokens += len(got[0].input_ids)
+            res.raw_bytes += got[0].raw_bytes
+    if packed:
+        res.bytes_out += write_hscap_shard(path, sorted(packed, key=lambda x: x[0]))
+    res.bytes_in = asm.bytes_read
+    return res
+
+
+def _write_hscap_index(out_dir: str, p: Plan) -> None:
+    """index.json from the shard headers alone (every --shard run rebuilds it from all shards)."""
+    samples = []
+    shard_dir = os.path.join(out_dir, "shards")
+    for name in sorted(os.listdir(shard_dir)):
+        if name.endswith(".hst") and TEMP_MARK not in name:
+            with open(os.path.join(shard_dir, name), "rb") as f:
+                header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+            samples += [[rid, row, os.path.join("shards", name), n]
+                        for rid, row, n in json.loads(header.metadata["samples"])]
+    samples.sort(key=lambda x: x[1])
+    index = {"format": "hscap-dataset", "version": 1, "layers": p.layers, "hidden_size": p.hidden_size,
+             "prenorm": p.prenorm, "samples": samples}
+    atomic_write(os.path.join(out_dir, HSCAP_INDEX), [json.dumps(index).encode()], fsync=False)
+
+
 def _work(args) -> MergeResult:
     p, items, out_dir, fmt_name, ds, cache_bytes = args
     name_of, write = FORMATS[fmt_name]
@@ -92,7 +148,10 @@ def _work(args) -> MergeResult:
         if os.path.exists(path):
             res.skipped_existing += 1
             continue
-        s = asm.sample(rid)
+        got = _checked_sample(asm, rid, ds, res)
+        if got is None:
+            continue
+        s, loss_mask = got
         if ds is not None:
             want = ds.ids[rid]
             got = s.input_ids.tolist()
@@ -113,8 +172,8 @@ def _work(args) -> MergeResult:
 def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Optional[str] = None,
           jobs: int = 1, shard: Tuple[int, int] = (0, 1), cache_bytes: int = 2 << 30,
           on_progress: Optional[Callable[[MergeResult, int], None]] = None) -> MergeResult:
-    if fmt_name not in FORMATS:
-        raise MergeError(f"unknown format {fmt_name!r}: choose from {sorted(FORMATS)}")
+    if fmt_name not in ALL_FORMATS:
+        raise MergeError(f"unknown format {fmt_name!r}: choose from {ALL_FORMATS}")
     t0 = time.monotonic()
     ds = load_dataset(dataset) if dataset else None
     p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
@@ -122,10 +181,11 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
         raise MergeError("speculators needs the pre-norm final state: capture with HSCAP_PRENORM=1")
     if fmt_name == "speculators" and len(p.layers) != 3:
         raise MergeError(f"speculators takes exactly 3 aux layers; the dump has {p.layers}")
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # a killed merge's half-written files
+    work_dir = os.path.join(out_dir, "shards") if fmt_name == "hscap" else out_dir
+    os.makedirs(work_dir, exist_ok=True)
+    for name in os.listdir(work_dir):  # a killed merge's half-written files
         if TEMP_MARK in name:
-            os.remove(os.path.join(out_dir, name))
+            os.remove(os.path.join(work_dir, name))
     i, n = shard
     rows = [(row, rid) for row, rid in _rows(p, ds) if row % n == i]
     mine = [(row, rid) for row, rid in rows if rid in p.samples]
@@ -134,24 +194,30 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)",
                         shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
-    chunk = max(1, min(64, len(mine) // max(1, jobs * 4) or 1))
-    batches = [mine[k:k + chunk] for k in range(0, len(mine), chunk)]
-    args = [(p, b, out_dir, fmt_name, ds, cache_bytes // max(1, jobs)) for b in batches]
-    done = 0
+    per_job = cache_bytes // max(1, jobs)
+    if fmt_name == "hscap":  # shard files hold fixed row batches, so a re-run finds them done
+        by_row = sorted(mine)
+        batches = [by_row[k:k + SAMPLES_PER_SHARD] for k in range(0, len(by_row), SAMPLES_PER_SHARD)]
+        worker = _work_shard
+        args = [(p, os.path.join(work_dir, f"part-{i}of{n}-{k:06d}.hst"), b, ds, per_job) for k, b in enumerate(batches)]
+    else:
+        chunk = max(1, min(64, len(mine) // max(1, jobs * 4) or 1))
+        worker = _work
+        args = [(p, mine[k:k + chunk], out_dir, fmt_name, ds, per_job) for k in range(0, len(mine), chunk)]
     if jobs <= 1:
-        results = map(_work, args)
-        for r in results:
+        for r in map(worker, args):
             total.add(r)
-            done += 1
             if on_progress:
                 on_progress(total, len(mine))
     else:
         # spawn, not fork: a forked torch process with live threads can deadlock
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for r in pool.map(_work, args):
+            for r in pool.map(worker, args):
                 total.add(r)
                 if on_progress:
                     on_progress(total, len(mine))
+    if fmt_name == "hscap":
+        _write_hscap_index(out_dir, p)
     total.seconds = round(time.monotonic() - t0, 3)
     report = asdict(total)
     atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)

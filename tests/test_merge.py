@@ -174,3 +174,44 @@ def test_bad_merge_input_is_one_line(dump, tmp_path):
     res = CliRunner().invoke(main, ["merge", dump["dir"], "-o", str(tmp_path / "o"), "--format", "specforge",
                                     "--shard", "3/2"])
     assert res.exit_code == 2 and "need 0 <= i < N" in res.output
+
+
+def test_native_packed_shards_random_access_and_resume(dump, tiny_model, tmp_path):
+    from hs_capture.dataset import HsCaptureDataset
+
+    out = str(tmp_path / "native")
+    s = run_merge(dump["dir"], "-o", out, "--format", "hscap", "--dataset", dump["data"])
+    assert s["written"] == len(dump["rows"])
+    ds = HsCaptureDataset(out)
+    assert ds.ids() == [r["id"] for r in dump["rows"]]  # rows in dataset order
+    for r in reversed(dump["rows"]):  # any order: random access
+        item = ds.by_id(r["id"])
+        assert item["input_ids"].tolist() == r["input_ids"] and item["loss_mask"].tolist() == r["loss_mask"]
+        ref, pre = hf_hidden_states(tiny_model, r["input_ids"], prenorm=True)
+        aux = np.concatenate([ref[k] for k in LAYERS], axis=-1)
+        assert np.abs(item["aux_hidden_state"].numpy() - aux).max() <= TOL
+        assert np.abs(item["hidden_state"].numpy() - ref[NUM_LAYERS]).max() <= TOL
+        assert np.abs(item["prenorm_hidden_state"].numpy() - pre).max() <= TOL
+    # split over two "machines", then a re-run: same shards, nothing rewritten
+    split = str(tmp_path / "split")
+    for i in range(2):
+        run_merge(dump["dir"], "-o", split, "--format", "hscap", "--dataset", dump["data"], "--shard", f"{i}/2")
+    again = run_merge(dump["dir"], "-o", split, "--format", "hscap", "--dataset", dump["data"], "--shard", "1/2")
+    assert again["written"] == 0 and again["skipped_existing"] == len(dump["rows"]) // 2
+    ds2 = HsCaptureDataset(split)
+    assert ds2.ids() == ds.ids()
+    for rid in ds.ids():
+        a, b = ds.by_id(rid), ds2.by_id(rid)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_cli_starts_without_torch_and_knows_every_format():
+    import subprocess
+    import sys
+
+    from hs_capture.cli.merge_cmd import FORMAT_NAMES
+    from hs_capture.merge import ALL_FORMATS
+
+    assert sorted(FORMAT_NAMES) == sorted(ALL_FORMATS)
+    code = "import sys; from hs_capture.cli import main; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

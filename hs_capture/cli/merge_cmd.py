@@ -7,10 +7,11 @@ from typing import List, Tuple
 
 import click
 
-from ..formats import FORMATS
-from ..merge import REPORT, MergeError, MergeResult, merge
-from ..reader import DumpError
 from ._common import JSON, QUIET, Progress, emit_json
+
+# Spelled out here so that `hscap` starts without importing torch (test_merge checks it
+# against hs_capture.merge.ALL_FORMATS).
+FORMAT_NAMES = ["hscap", "modelopt", "specforge", "speculators"]
 
 
 def _shard(ctx, param, value: str) -> Tuple[int, int]:
@@ -26,7 +27,7 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.command()
 @click.argument("dumps", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--format", "fmt_name", required=True, type=click.Choice(sorted(FORMATS)), help="Training format.")
+@click.option("--format", "fmt_name", required=True, type=click.Choice(FORMAT_NAMES), help="Training format.")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
               help="The JSONL sent: loss masks joined by id, token ids checked; only its ids are merged.")
 @click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")
@@ -40,9 +41,12 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     """Stitch every request in DUMPS (dump or run dirs, e.g. one per node) and write one
     file per complete sample. Incomplete samples are never written: they are listed, with
     the reason, in OUT/merge_report.json. Re-running skips finished files."""
+    from ..merge import REPORT, MergeError, MergeResult, merge
+    from ..reader import DumpError
+
     progress = Progress(enabled=not (quiet or as_json))
 
-    def on_progress(r: MergeResult, total: int) -> None:
+    def on_progress(r: "MergeResult", total: int) -> None:
         progress.update(f"merged {r.written + r.skipped_existing}/{total}  {r.tokens:,} tokens  "
                         f"{r.raw_bytes / 1e9:.2f} GB raw")
 

@@ -85,6 +85,7 @@ def server_env(dump_dir: Optional[str], hook: bool = True, **extra: str) -> Dict
     env.pop("SGLANG_USE_CPU_ENGINE", None)  # that path needs a CPU sgl_kernel no registry has
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR, SHIMS] if hook else [SHIMS])
     env["TORCHDYNAMO_DISABLE"] = "1"  # the MoE top-k would be torch.compiled for ~12 s otherwise
+    env["PYTHON"] = sys.executable  # the interpreter bin/hscap-serve runs hscap with
     if dump_dir is not None:
         env["HSCAP_DIR"] = dump_dir
     env.update(extra)

@@ -1,0 +1,120 @@
+"""hscap merge throughput (GB/s of raw tensor data) and peak memory, on a synthetic dump of
+realistic shape: H = 7168, 3 captured layers + final, bf16 with LLM-like outlier channels,
+mixed sample lengths batched into 8192-token steps, written by the real ShardWriter.
+
+usage: python benchmarks/merge.py [--steps 8] [--jobs 1 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from hs_capture.config import CaptureConfig  # noqa: E402
+from hs_capture.layout import RankId  # noqa: E402
+from hs_capture.writer import ShardWriter  # noqa: E402
+
+H, LAYERS, STEP = 7168, [2, 30, 58], 8192
+
+
+def synthetic_dump(root: str, steps: int, seed: int = 0) -> int:
+    """Returns the number of samples. Lengths 64..4096, packed into steps like SGLang's
+    chunked prefill (a sample may continue in the next step)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    cfg = CaptureConfig(dump_dir=root, run_id="run-bench", layers=LAYERS, writer_threads=4, fsync=False)
+    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H, "num_layers": 61, "prenorm": False})
+    w.start()
+    outliers = torch.randperm(H, generator=g)[:16]
+    rid, left, pos = 0, rng.randrange(64, 4096), 0
+    for _ in range(steps):
+        seqs, t = [], 0
+        while t < STEP:
+            n = min(left, STEP - t)
+            seqs.append({"rid": f"s{rid}", "len": n, "prefix": pos, "offset": t})
+            t, left, pos = t + n, left - n, pos + n
+            if left == 0:
+                rid, left, pos = rid + 1, rng.randrange(64, 4096), 0
+
+        def states(k):
+            x = torch.randn(STEP, k * H, generator=g)
+            x.view(STEP, k, H)[:, :, outliers] *= 50
+            return x.to(torch.bfloat16)
+
+        tensors = {"aux": states(3), "final": states(1), "tokens": torch.randint(0, 100000, (STEP,), generator=g),
+                   "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
+        w.submit({"mode": "EXTEND", "num_tokens": STEP, "seqs": seqs}, tensors, aux_layers=LAYERS)
+    w.close()
+    return rid  # whole samples (the last, unfinished one is incomplete: merge skips it)
+
+
+def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
+    cmd = [sys.executable, "-c",
+           "import json, resource, sys; from hs_capture.cli import main; "
+           "sys.argv = ['hscap'] + sys.argv[1:]\n"
+           "try:\n    main()\nfinally:\n"
+           "    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+           "    print(json.dumps({'peak_rss_mb': round(max(r, c) / 1024)}), file=sys.stderr)",
+           "merge", dump, "-o", out, "--format", fmt, "-j", str(jobs), "--json", "--cache-mb", "1024"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall = time.perf_counter() - t0
+    assert p.returncode == 0, p.stderr[-2000:]
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    peak = json.loads(p.stderr.strip().splitlines()[-1])["peak_rss_mb"]
+    return {"format": fmt, "jobs": jobs, "samples": summary["written"], "raw_GB": round(summary["raw_bytes"] / 1e9, 3),
+            "wall_s": round(wall, 2), "GBps_raw": round(summary["raw_bytes"] / 1e9 / wall, 3),
+            "bytes_in_GB": round(summary["bytes_in"] / 1e9, 3), "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3),
+            "peak_rss_MB_per_process": peak}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--formats", nargs="+", default=["specforge", "hscap"])
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "merge.results.json"))
+    a = p.parse_args()
+    work = tempfile.mkdtemp(prefix="hscap-merge-bench-")
+    try:
+        dump = os.path.join(work, "dump")
+        t0 = time.perf_counter()
+        samples = synthetic_dump(dump, a.steps)
+        made = time.perf_counter() - t0
+        dump_bytes = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(dump) for n in ns)
+        results = []
+        for fmt in a.formats:
+            for jobs in a.jobs:
+                out = os.path.join(work, f"out-{fmt}-{jobs}")
+                res = run_merge(dump, out, fmt, jobs)
+                results.append(res)
+                print(json.dumps(res), flush=True)
+                shutil.rmtree(out)
+        doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
+               "dump": f"{a.steps} steps x {STEP} tokens, H={H}, layers {LAYERS} + final, bf16 with outlier "
+                       f"channels, {samples} whole samples of 64..4095 tokens, zstd 1; "
+                       f"{dump_bytes / 1e9:.2f} GB on disk, written in {made:.1f}s",
+               "results": results}
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
