@@ -12,6 +12,8 @@ PY=${PYTHON:-python3}
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install torch==2.14.1 torchvision==0.29.1
 pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
+# the training frameworks whose own reader code the merge tests load (--no-deps: readers only)
+pip install --no-deps specforge==0.2.0 speculators==0.9.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
 echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)'))"

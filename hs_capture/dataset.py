@@ -57,5 +57,6 @@ class HsCaptureDataset(torch.utils.data.Dataset):
                           ("loss_mask", "loss_mask"), ("prenorm_hidden_state", "prenorm")):
             e = header.tensors.get(f"{row}/{name}")
             if e is not None:
-                out[key] = fmt.to_torch(fmt.read_tensor_bytes(f, header, e.name), e.dtype, e.shape)
+                # clone: to_torch shares read-only bytes, and training code may write in place
+                out[key] = fmt.to_torch(fmt.read_tensor_bytes(f, header, e.name), e.dtype, e.shape).clone()
         return out

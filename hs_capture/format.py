@@ -317,8 +317,16 @@ def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]):
 
 
 def to_torch(raw: bytes, dtype: str, shape: Sequence[int]):
-    """Raw bytes to a torch tensor of the recorded dtype (bfloat16 included)."""
+    """Raw bytes to a torch tensor of the recorded dtype (bfloat16 included), without a copy.
+    The tensor shares the (read-only) bytes: callers that write to it must clone it first."""
+    import warnings
+
     import torch
 
-    t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)) if raw else torch.empty(0, dtype=getattr(torch, dtype))
+    tdtype = getattr(torch, dtype)
+    if not raw:
+        return torch.empty(tuple(shape), dtype=tdtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "buffer is not writable": we never write through it
+        t = torch.frombuffer(raw, dtype=tdtype)
     return t.reshape(tuple(shape))

@@ -201,7 +201,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
         worker = _work_shard
         args = [(p, os.path.join(work_dir, f"part-{i}of{n}-{k:06d}.hst"), b, ds, per_job) for k, b in enumerate(batches)]
     else:
-        chunk = max(1, min(64, len(mine) // max(1, jobs * 4) or 1))
+        # contiguous runs of the step-ordered list per batch: samples that share a step stay
+        # in one process and its cache (with -j 1, small batches only pace the progress line)
+        chunk = 64 if jobs <= 1 else max(1, -(-len(mine) // jobs))
         worker = _work
         args = [(p, mine[k:k + chunk], out_dir, fmt_name, ds, per_job) for k in range(0, len(mine), chunk)]
     if jobs <= 1:

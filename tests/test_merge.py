@@ -215,3 +215,48 @@ def test_the_cli_starts_without_torch_and_knows_every_format():
     assert sorted(FORMAT_NAMES) == sorted(ALL_FORMATS)
     code = "import sys; from hs_capture.cli import main; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _framework_module(package: str, relpath: str, name: str):
+    """A framework's reader module loaded from its installed file, without running the
+    package __init__ (which imports its training stack: datasets, deepspeed, ...)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    path = os.path.join(list(spec.submodule_search_locations)[0], relpath)
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def test_specforge_own_offline_reader_accepts_the_output(dump, tmp_path):
+    from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.runtime.data_plane.offline_reader import _OFFLINE_EAGLE3_KEYS, _inspect_feature_file, list_feature_files
+
+    out = str(tmp_path / "sf")
+    run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    files = list_feature_files(out)
+    assert len(files) == len(dump["rows"])
+    lengths = sorted(len(r["input_ids"]) for r in dump["rows"])
+    got = []
+    for f in files:
+        specs, num_tokens, nbytes = _inspect_feature_file(f, _OFFLINE_EAGLE3_KEYS)
+        assert specs["aux_hidden_state"].shape == (1, num_tokens, 768) and specs["hidden_state"].dtype == "float32"
+        assert load_feature_file(f)["loss_mask"].shape == (num_tokens,)
+        got.append(num_tokens)
+    assert sorted(got) == lengths
+
+
+def test_speculators_own_checks_accept_the_output(dump, tmp_path):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    offline = _framework_module("speculators", "data_generation/offline.py", "speculators_offline")
+    out = str(tmp_path / "sp")
+    run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    assert offline.get_existing_hidden_state_indices(Path(out)) == list(range(len(dump["rows"])))
+    assert offline.find_corrupt_hidden_state_indices(Path(out), list(range(len(dump["rows"])))) == {}
+    for row, r in enumerate(dump["rows"]):
+        offline.check_hidden_states(load_file(os.path.join(out, f"hs_{row}.safetensors")), r["input_ids"])
