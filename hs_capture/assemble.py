@@ -54,10 +54,13 @@ def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
     return list(layers), hidden, prenorm
 
 
-def _judge(pieces: List[Piece], length: Optional[int]) -> Optional[str]:
-    """None if the pieces cover [0, length) exactly once, else the reason."""
+def _judge(pieces: List[Piece], length: Optional[int], parts: List[str]) -> Optional[str]:
+    """None if the pieces cover [0, length) exactly once with every part, else the reason."""
     at = 0
     for p in sorted(pieces, key=lambda p: p.prefix):
+        lacking = sorted(set(parts) - {part for part, _ in p.files})
+        if lacking:
+            return f"step {p.step} of {p.rank} lacks {', '.join(lacking)}"
         if p.prefix > at:
             return f"positions {at}..{p.prefix - 1} missing" + (" (a prefix-cache hit?)" if at == 0 else "")
         if p.prefix < at:
@@ -97,6 +100,7 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
                     piece = Piece(i, tag, int(line["step"]), files, int(s["offset"]), int(s["len"]), int(s["prefix"]))
                     group = groups.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag), {})
                     group.setdefault(piece.step, piece)
+    parts = [f"L{k:02d}" for k in layers] + ["final"] + (["prenorm"] if prenorm else [])
     wanted = lengths.keys() if lengths is not None else groups.keys()
     for rid in wanted:
         candidates = groups.get(rid)
@@ -107,7 +111,7 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
         # A sample re-sent after a crash lives in a later run: the latest whole capture wins.
         for key in sorted(candidates, reverse=True):
             pieces = sorted(candidates[key].values(), key=lambda p: p.prefix)
-            reason = _judge(pieces, lengths.get(rid) if lengths is not None else None)
+            reason = _judge(pieces, lengths.get(rid) if lengths is not None else None, parts)
             if reason is None:
                 result.samples[rid] = pieces
                 break

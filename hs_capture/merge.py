@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .assemble import Assembler, Plan, plan
+from .reader import DumpError
 from . import format as fmt
 from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
 from .layout import TEMP_MARK
@@ -87,7 +88,11 @@ def _rows(p: Plan, ds: Optional[Dataset]) -> List[Tuple[int, str]]:
 
 def _checked_sample(asm: Assembler, rid: str, ds: Optional[Dataset], res: MergeResult):
     """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
-    s = asm.sample(rid)
+    try:
+        s = asm.sample(rid)
+    except DumpError as e:  # a file gone or corrupt since indexing: this sample only
+        res.incomplete[rid] = f"unreadable: {e}"
+        return None
     if ds is not None:
         want = ds.ids[rid]
         got = s.input_ids.tolist()

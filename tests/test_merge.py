@@ -260,3 +260,24 @@ def test_speculators_own_checks_accept_the_output(dump, tmp_path):
     assert offline.find_corrupt_hidden_state_indices(Path(out), list(range(len(dump["rows"])))) == {}
     for row, r in enumerate(dump["rows"]):
         offline.check_hidden_states(load_file(os.path.join(out, f"hs_{row}.safetensors")), r["input_ids"])
+
+
+def test_a_missing_layer_or_unreadable_file_skips_only_that_sample(dump, tmp_path):
+    copy = tmp_path / "dump"
+    shutil.copytree(dump["dir"], copy)
+    (run,) = [copy / d for d in os.listdir(copy)]
+    lines = [json.loads(x) for x in (run / "index" / "dp0-tp0-pp0.jsonl").read_text().splitlines()]
+    solo = [x for x in lines if "files" in x and len(x["seqs"]) == 1 and x["seqs"][0]["rid"].startswith("m/")]
+    gone, corrupt = solo[0], solo[-1]
+    os.remove(run / gone["files"]["L03"]["path"])  # a missing layer file
+    del gone["files"]["L03"]  # ...and, in a second step, an index line that lacks the layer
+    with open(run / corrupt["files"]["final"]["path"], "r+b") as f:
+        f.seek(40)
+        f.write(b"\xff\xff\xff")
+    (run / "index" / "dp0-tp0-pp0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = str(tmp_path / "o")
+    s = run_merge(str(copy), "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    report = json.load(open(os.path.join(out, "merge_report.json")))["incomplete"]
+    assert report[gone["seqs"][0]["rid"]] == f"step {gone['step']} of dp0-tp0-pp0 lacks L03"
+    assert report[corrupt["seqs"][0]["rid"]].startswith("unreadable: ")
+    assert s["written"] == len(dump["rows"]) - 2
