@@ -3,7 +3,8 @@
 Server side (loaded through sitecustomize, never imports the offline tools):
     bootstrap -> instrumentor (wrapt patching) -> capture (what to take from a forward)
     -> writer (off the critical path) -> format/layout (the on-disk contract)
-Offline side (never imports sglang): reader, cli.
+Offline side (never imports sglang): reader, coverage, send, assemble -> formats -> merge,
+dataset, cli/ (one module per command).
 """
 
 __version__ = "0.1.0"
