@@ -74,9 +74,19 @@ def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port BELOW Linux's ephemeral range (32768+), where SGLang's own internal
+    ports (bound to port 0) are picked: they cannot take ours while the server starts."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..32000")
 
 
 def server_env(dump_dir: Optional[str], hook: bool = True, **extra: str) -> Dict[str, str]:
@@ -102,17 +112,31 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, "--port", str(self.port), *extra_flags]
-        cmd = [*launcher, *flags] if launcher else [sys.executable, "-m", "sglang.launch_server", *flags]
+        flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, "--port", "PORT", *extra_flags]
+        self._cmd = [*launcher, *flags] if launcher else [sys.executable, "-m", "sglang.launch_server", *flags]
+        self._env = env
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        self._launch()
+
+    def _launch(self) -> None:
+        cmd = [str(self.port) if a == "PORT" else a for a in self._cmd]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=self._env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def wait_healthy(self, timeout: float = 240.0) -> None:
+    def wait_healthy(self, timeout: float = 240.0, attempts: int = 3) -> None:
+        """Wait for /health; a port taken meanwhile (the server then idles without HTTP)
+        restarts it on another port."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if attempts > 1 and f"('127.0.0.1', {self.port}): address already in use" in self.log():
+                self._kill_group()
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+                attempts -= 1
+                self._launch()
+                continue
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -147,12 +171,15 @@ class Server:
         self.kill()
         return self.proc.returncode
 
-    def kill(self) -> None:
+    def _kill_group(self) -> None:
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait(30)
+
+    def kill(self) -> None:
+        self._kill_group()
         if not self._log.closed:
             self._log.close()
 
