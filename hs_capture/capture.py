@@ -47,6 +47,7 @@ class ModelCapture:
         self.writer = writer
         self._parent = weakref.ref(parent)
         self._last_set: Optional[List[int]] = None
+        self._lists: Optional[tuple] = None  # (ours + host's, host's only)
         self.errors = 0
         self.steps = 0
         self._want_prenorm = False
@@ -71,10 +72,15 @@ class ModelCapture:
     def _sync_host(self, current: List[int]) -> None:
         if self._last_set is not None and current is not self._last_set:
             self.host_layers = sorted(set(current))
+            self._lists = None
 
     def layers_for(self, model: Any, capturing: bool) -> List[int]:
+        """Set (and return) the layers SGLang captures in this forward. The two lists are
+        built once per host change, not per forward: decode steps run this too."""
         self._sync_host(model.layers_to_capture)
-        want = sorted(set(self.host_layers) | set(self.layers)) if capturing else list(self.host_layers)
+        if self._lists is None:
+            self._lists = (sorted(set(self.host_layers) | set(self.layers)), list(self.host_layers))
+        want = self._lists[0] if capturing else self._lists[1]
         model.layers_to_capture = want
         self._last_set = want
         return want
