@@ -72,12 +72,13 @@ def _judge(pieces: List[Piece], length: Optional[int], parts: List[str]) -> Opti
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
-         exclude_prefix: str = "HEALTH_CHECK_") -> Plan:
+         exclude_prefix: str = "HEALTH_CHECK_", strict: bool = True) -> Plan:
     """Decide every sample's pieces. With `lengths` (from the dataset), only those ids count
-    and each must reach its full length; else every captured rid, as far as it was captured."""
+    and each must reach its full length; else every captured rid, as far as it was captured.
+    Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
     runs: List[Run] = []
     for d in dump_dirs:
-        found = open_runs(d)
+        found = open_runs(d, errors=None if strict else [])
         if not found:
             raise DumpError(f"{d}: no hs_capture run found")
         runs += [r for r in found if all(os.path.realpath(r.path) != os.path.realpath(x.path) for x in runs)]
@@ -89,7 +90,7 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
     groups: Dict[str, Dict[Tuple[str, str], Dict[int, Piece]]] = {}
     for i, run in enumerate(runs):
         for tag in run.ranks:
-            for line in run.index(tag):
+            for line in run.index(tag, strict):
                 if "files" not in line:
                     continue
                 files = tuple(sorted((part, f["path"]) for part, f in line["files"].items()))

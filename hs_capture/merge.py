@@ -232,5 +232,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
         _write_hscap_index(out_dir, p)
     total.seconds = round(time.monotonic() - t0, 3)
     report = asdict(total)
+    # what verify --reference needs to map aux blocks back to layers
+    report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
     atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)
     return total

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -32,16 +32,27 @@ class Run:
     def layers(self) -> List[int]:
         return list(self.meta["layers"])
 
-    def index(self, rank: str) -> Iterator[dict]:
-        """Index lines of one rank, in file order; a torn last line (crash) is skipped."""
+    def index(self, rank: str, strict: bool = True) -> Iterator[dict]:
+        """Index lines of one rank, in file order; a torn last line (crash) is skipped.
+        A line that is not a JSON object raises DumpError, or is skipped when not strict
+        (verify reports such lines itself)."""
         path = os.path.join(self.path, "index", rank + ".jsonl")
         if not os.path.exists(path):
             return
         with open(path, "rb") as f:
-            for raw in f:
+            for n, raw in enumerate(f, 1):
                 if not raw.endswith(b"\n"):
                     return
-                yield json.loads(raw)
+                try:
+                    line = json.loads(raw)
+                    problem = line_problem(line)
+                    if problem:
+                        raise ValueError(problem)
+                except ValueError as e:
+                    if strict:
+                        raise DumpError(f"{path}: line {n} is not a valid index line ({e})") from None
+                    continue
+                yield line
 
     def read_part(self, line: dict, part: str) -> Dict[str, np.ndarray]:
         """All tensors of one step's part file ("final", "L03", ...) as numpy arrays."""
@@ -56,8 +67,37 @@ class Run:
             raise DumpError(f"{rel}: {e}") from None
 
 
-def open_runs(dump_dir: str) -> List[Run]:
-    """Every run under a dump dir (or the run dir itself)."""
+def _nonneg_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def line_problem(line) -> Optional[str]:
+    """Why an index line is malformed, or None. Paths must stay inside the run dir."""
+    if not isinstance(line, dict):
+        return "not a JSON object"
+    if not _nonneg_int(line.get("step")):
+        return "no valid step number"
+    if "files" not in line:
+        return None if "dropped" in line else "neither files nor dropped"
+    files, seqs = line.get("files"), line.get("seqs")
+    if not isinstance(files, dict) or not isinstance(seqs, list) or not _nonneg_int(line.get("num_tokens")):
+        return "files, seqs or num_tokens malformed"
+    for part, f in files.items():
+        rel = f.get("path") if isinstance(f, dict) else None
+        if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
+            return f"part {part!r} has no path inside the run dir"
+    for s in seqs:
+        if not isinstance(s, dict) or not all(_nonneg_int(s.get(k)) for k in ("len", "prefix", "offset")) \
+                or not (s.get("rid") is None or isinstance(s.get("rid"), str)):
+            return "a seq entry is malformed"
+        if s["offset"] + s["len"] > line["num_tokens"]:
+            return "a seq runs past num_tokens"
+    return None
+
+
+def open_runs(dump_dir: str, errors: Optional[List[Tuple[str, str]]] = None) -> List[Run]:
+    """Every run under a dump dir (or the run dir itself). An unreadable rank metadata file
+    raises DumpError, or with `errors` given is appended there as (path, message) and skipped."""
     candidates = [dump_dir] + sorted(
         os.path.join(dump_dir, d) for d in os.listdir(dump_dir) if os.path.isdir(os.path.join(dump_dir, d))
     )
@@ -69,8 +109,18 @@ def open_runs(dump_dir: str) -> List[Run]:
         ranks = {}
         for name in sorted(os.listdir(rdir)):
             if name.endswith(".json") and not name.startswith("."):
-                with open(os.path.join(rdir, name)) as f:
-                    ranks[name[:-5]] = json.load(f)
+                mpath = os.path.join(rdir, name)
+                try:
+                    with open(mpath, "rb") as f:
+                        meta = json.load(f)
+                    if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list):
+                        raise ValueError("not a run metadata object")
+                except (OSError, ValueError) as e:
+                    if errors is None:
+                        raise DumpError(f"{mpath}: unreadable run metadata ({e})") from None
+                    errors.append((mpath, f"unreadable run metadata ({e})"))
+                    continue
+                ranks[name[:-5]] = meta
         if ranks:
             runs.append(Run(path, ranks))
     return runs

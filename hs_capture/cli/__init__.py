@@ -8,6 +8,7 @@ from .. import __version__
 from .ls_cmd import ls
 from .merge_cmd import merge_cmd
 from .send_cmd import send
+from .verify_cmd import verify_cmd
 from .serve_cmd import pythonpath, serve
 
 
@@ -20,3 +21,4 @@ def main() -> None:
 for command in (pythonpath, serve, send, ls):
     main.add_command(command)
 main.add_command(merge_cmd, name="merge")
+main.add_command(verify_cmd, name="verify")

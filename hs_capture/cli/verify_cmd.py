@@ -1,0 +1,77 @@
+"""`hscap verify`: the gate between extraction and training."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import click
+
+from ._common import JSON, QUIET, Progress, emit_json
+
+
+def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter("expected comma-separated layer numbers, e.g. 2,30,58") from None
+
+
+@click.command("verify")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
+              help="The JSONL sent: every id must be whole and its token ids must match.")
+@click.option("--sample", type=click.IntRange(1), default=None,
+              help="Decode only K random steps (dumps) or samples (merged); index checks still cover all.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --sample and --reference picks.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Reader threads.")
+@click.option("--reference", "reference", type=click.Path(exists=True, file_okay=False),
+              help="Model dir: recompute samples with transformers (float32, CPU) and compare.")
+@click.option("--reference-samples", type=click.IntRange(1), default=4, show_default=True,
+              help="How many random samples --reference recomputes.")
+@click.option("--atol", type=float, default=1e-4, show_default=True, help="--reference absolute tolerance.")
+@click.option("--rtol", type=float, default=0.0, show_default=True,
+              help="--reference relative tolerance (bf16 dumps: try --atol 0.05 --rtol 0.05).")
+@click.option("--layers", callback=_layers, help="Merged output without merge_report.json: its aux layers.")
+@click.option("--max-findings", type=click.IntRange(1), default=20, show_default=True,
+              help="Findings printed per check (--json lists all).")
+@QUIET
+@JSON
+def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], seed: int, jobs: int,
+               reference: Optional[str], reference_samples: int, atol: float, rtol: float,
+               layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
+    """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
+    dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
+    from ..send import read_dataset
+    from ..verify import verify
+
+    ids, order = None, None
+    if dataset:
+        ids, order = {}, []
+        for _, s, error in read_dataset(dataset):
+            if error is not None:
+                raise click.ClickException(f"{dataset}: {error}")
+            ids[s.id] = s.input_ids
+            order.append(s.id)
+    bar = Progress(enabled=not (quiet or as_json))
+
+    def on_progress(what: str, done: int, total: int) -> None:
+        bar.update(f"verify {what}: {done}/{total} {'steps' if what == 'dump' else 'samples'}", force=done == total)
+
+    try:
+        report = verify(paths, ids, order, sample, jobs, seed, reference, reference_samples, atol, rtol, layers,
+                        on_progress)
+    except OSError as e:
+        raise click.ClickException(f"{e.filename or ''}: {e.strerror or e}")
+    except ImportError as e:
+        raise click.ClickException(f"--reference needs transformers: {e}")
+    bar.close()
+    if as_json:
+        emit_json(report.to_json())
+    elif not quiet:
+        click.echo(report.render(max_findings))
+    else:
+        click.echo("PASS" if report.ok else "FAIL")
+    sys.exit(0 if report.ok else 1)

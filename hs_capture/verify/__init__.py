@@ -1,0 +1,99 @@
+"""`hscap verify`: prove dumps and merged datasets complete, intact and sane.
+
+    report.py     findings and the summary table / JSON
+    values.py     NaN/Inf, zero, constant and identical-tensor checks
+    dump.py       dump dirs: metadata, index, files, bytes, placement, coverage
+    merged.py     merge output of every format
+    reference.py  recompute samples with transformers and compare
+
+Never imports sglang; torch and transformers only when a check needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Callable, Dict, List, Optional, Sequence
+
+from .dump import verify_dump
+from .merged import is_merged, verify_merged
+from .report import CHECKS, ERROR, WARNING, Finding, Report
+
+__all__ = ["verify", "Report", "Finding", "CHECKS", "ERROR", "WARNING"]
+
+
+def verify(paths: Sequence[str], dataset: Optional[Dict[str, List[int]]] = None, order: Optional[List[str]] = None,
+           sample: Optional[int] = None, jobs: int = 4, seed: int = 0, reference: Optional[str] = None,
+           reference_samples: int = 4, atol: float = 1e-4, rtol: float = 0.0, layers: Optional[List[int]] = None,
+           progress: Optional[Callable[[str, int, int], None]] = None) -> Report:
+    """Run every check on dump dirs and/or merged dirs. `dataset`: id -> token ids;
+    `order`: the dataset's ids in row order (speculators files are named by row)."""
+    report = Report(list(paths))
+    merged = [p for p in paths if is_merged(p)]
+    dumps = [p for p in paths if p not in merged]
+    if dumps:
+        verify_dump(dumps, report, dataset, sample, jobs, seed,
+                    (lambda d, t: progress("dump", d, t)) if progress else None)
+    items = []
+    if merged:
+        items = verify_merged(merged, report, dataset, order, sample, jobs, seed,
+                              (lambda d, t: progress("merged", d, t)) if progress else None)
+    if reference:
+        from .reference import Reference, compare
+
+        ref = Reference(reference)
+        rng = random.Random(seed)
+        if dumps:
+            compare(report, ref, _dump_samples(dumps, dataset, reference_samples, rng), atol, rtol)
+        if merged:
+            compare(report, ref, _merged_samples(merged, items, layers, reference_samples, rng, report), atol, rtol)
+    return report
+
+
+def _dump_samples(dumps: Sequence[str], dataset, k: int, rng: random.Random):
+    from ..assemble import Assembler, MixedRuns, plan
+    from ..reader import DumpError
+    from .reference import Stored
+
+    try:
+        p = plan(dumps, {r: len(v) for r, v in dataset.items()} if dataset is not None else None, strict=False)
+    except (MixedRuns, DumpError):
+        return  # the config / runs checks said why
+    asm = Assembler(p, cache_bytes=256 << 20)
+    for rid in rng.sample(sorted(p.samples), min(k, len(p.samples))):
+        try:
+            s = asm.sample(rid)
+        except DumpError:
+            continue  # the file checks report it
+        yield Stored(rid, os.path.basename(p.runs[p.samples[rid][0].run].path), s.input_ids.numpy(),
+                     {k: v.float().numpy() for k, v in s.layers.items()}, s.final.float().numpy(),
+                     s.prenorm.float().numpy() if s.prenorm is not None else None)
+
+
+def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k: int, rng: random.Random,
+                    report: Report):
+    from .merged import load_item
+    from .reference import Stored
+
+    if layers is None:
+        found = {tuple(r.get("layers") or ()) for r in report.stats.get("merge_reports", [])}
+        found.discard(())
+        if len(found) != 1:
+            report.add("reference", "the merged output does not record its layers (no merge_report.json): "
+                                    "pass --layers", path=",".join(merged))
+            return
+        layers = list(found.pop())
+    headers: dict = {}
+    for it in rng.sample(items, min(k, len(items))):
+        try:
+            s = load_item(it, None, headers)
+        except Exception:
+            continue  # the sample checks report unreadable files
+        h = s.hidden_size
+        if s.aux.shape[1] != h * len(layers):
+            report.add("reference", f"aux holds {s.aux.shape[1] // h} layers, --layers names {len(layers)}",
+                       path=it.path, rid=s.rid)
+            continue
+        yield Stored(s.rid or it.path, it.path, s.input_ids,
+                     {layer: s.aux[:, j * h:(j + 1) * h] for j, layer in enumerate(sorted(layers))},
+                     s.final, s.prenorm)

@@ -1,0 +1,370 @@
+"""Verify dump dirs as the server wrote them: metadata, index, files, bytes, values, coverage.
+
+Index-level checks (cheap) always cover everything; the step pass decodes every file (or a
+random `sample` of steps) in a thread pool with a bounded window, so memory stays at a few
+steps whatever the dump's size. zstd, crc32 and numpy release the GIL: threads scale."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from .. import format as fmt
+from ..assemble import MixedRuns, plan
+from ..layout import TEMP_MARK, TENSOR_SUFFIX
+from ..reader import DumpError, Run, line_problem, open_runs
+from .report import WARNING, Report
+from .values import identical_pairs, value_problems
+
+Progress = Callable[[int, int], None]
+_HEADER_ERRORS = (fmt.HeaderTooSmall, fmt.BadMagic, fmt.HeaderTooLarge, fmt.InvalidHeader,
+                  fmt.UnsupportedVersion, fmt.TensorInvalidInfo)
+
+
+@dataclass
+class _Step:
+    run: Run
+    rank: str
+    line: dict
+
+
+def _config(meta: dict) -> Tuple:
+    return (tuple(meta.get("layers") or ()), meta.get("hidden_size"), meta.get("num_layers"),
+            bool(meta.get("prenorm", False)), meta.get("model_path"), meta.get("layer_convention"))
+
+
+def _config_text(key: Tuple) -> str:
+    return f"layers={list(key[0])} hidden={key[1]} num_layers={key[2]} prenorm={key[3]} model={key[4]}"
+
+
+def _parts(meta: dict) -> Set[str]:
+    return {f"L{k:02d}" for k in meta["layers"]} | {"final"} | ({"prenorm"} if meta.get("prenorm") else set())
+
+
+def _rel(run: Run, path: str) -> str:
+    return os.path.relpath(path, os.path.dirname(run.path))
+
+
+def check_runs(paths: Sequence[str], report: Report) -> List[Run]:
+    runs: List[Run] = []
+    for p in paths:
+        errors: List[Tuple[str, str]] = []
+        found = open_runs(p, errors)
+        for path, msg in errors:
+            report.add("runs", msg, path=path)
+        if not found and not errors:
+            report.add("runs", "no hs_capture run here (no ranks/*.json)", path=p)
+        runs += [r for r in found if all(os.path.realpath(r.path) != os.path.realpath(x.path) for x in runs)]
+    report.looked("runs", len(runs))
+    configs: Dict[Tuple, List[str]] = {}
+    for run in runs:
+        for tag, meta in run.ranks.items():
+            configs.setdefault(_config(meta), []).append(f"{os.path.basename(run.path)}/{tag}")
+    report.looked("config", sum(len(v) for v in configs.values()))
+    if len(configs) > 1:
+        for key, where in configs.items():
+            report.add("config", f"mixed configurations in one verify: {len(where)} rank(s) have {_config_text(key)} "
+                                 f"(e.g. {where[0]}); merge refuses such a mix", path=where[0])
+    for run in runs:
+        _check_ranks(run, report)
+    return runs
+
+
+def _check_ranks(run: Run, report: Report) -> None:
+    report.looked("ranks", len(run.ranks))
+    dp_size = max(int((m.get("parallel") or {}).get("dp_size", 1) or 1) for m in run.ranks.values())
+    present = {int((m.get("parallel") or {}).get("dp_rank", 0) or 0) for m in run.ranks.values()}
+    for dp in sorted(set(range(dp_size)) - present):
+        report.add("ranks", f"DP group {dp} of {dp_size} wrote no rank metadata: that rank's files are missing",
+                   path=run.path)
+
+
+def check_index(run: Run, report: Report) -> List[_Step]:
+    """Per rank: parse every index line, find missing, doubled and dropped steps, compare the
+    index with the files on disk. Returns the steps that hold files."""
+    steps: List[_Step] = []
+    listed: Set[str] = set()
+    for tag, meta in sorted(run.ranks.items()):
+        path = os.path.join(run.path, "index", tag + ".jsonl")
+        ipath = _rel(run, path)
+        seen: Dict[int, int] = {}
+        written = 0
+        if not os.path.exists(path):
+            report.add("index", "index file missing", path=ipath)
+        else:
+            with open(path, "rb") as f:
+                raw_lines = f.read().split(b"\n")
+            if raw_lines and raw_lines[-1]:
+                report.add("index", "torn last line (a crash while appending): that step is not committed",
+                           WARNING, ipath)
+            for n, raw in enumerate(raw_lines[:-1], 1):
+                report.looked("index")
+                try:
+                    line = json.loads(raw)
+                    problem = line_problem(line)
+                except ValueError as e:
+                    problem = f"not JSON ({e})"
+                if problem:
+                    report.add("index", f"line {n}: {problem}", path=ipath)
+                    continue
+                step = line["step"]
+                if step in seen:
+                    report.add("index", f"line {n}: step {step} listed twice (first on line {seen[step]})", path=ipath)
+                    continue
+                seen[step] = n
+                if "dropped" in line:
+                    rids = sorted({str(s.get("rid")) for s in line.get("seqs", [])})
+                    report.add("dropped", f"step {step} dropped by the writer ({line['dropped']}): "
+                                          f"{line.get('num_tokens', '?')} tokens of rids {rids[:5]}"
+                                          f"{' ...' if len(rids) > 5 else ''} were not written", path=ipath)
+                    continue
+                written += 1
+                want = _parts(meta)
+                have = set(line["files"])
+                if have != want:
+                    report.add("shapes", f"step {step}: parts {sorted(have)} differ from the run's {sorted(want)}",
+                               path=ipath)
+                listed.update(os.path.normpath(f["path"]) for f in line["files"].values())
+                steps.append(_Step(run, tag, line))
+            missing = sorted(set(range(max(seen) + 1)) - set(seen)) if seen else []
+            if missing:
+                report.add("index", f"{len(missing)} step(s) have no index line: {_ranges(missing)} "
+                                    "(lost in a crash, or the line was removed)", path=ipath)
+        report.looked("dropped")
+        stats = meta.get("stats") or {}
+        if stats.get("steps_failed"):
+            report.add("dropped", f"the writer failed {stats['steps_failed']} step(s): {meta.get('last_failure')}",
+                       path=_rel(run, os.path.join(run.path, "ranks", tag + ".json")))
+        report.looked("status")
+        if meta.get("status") != "closed":
+            report.add("status", f"run status is {meta.get('status')!r}, not 'closed': the server is still "
+                                 "running, or was killed (its last queued steps may be missing)", WARNING,
+                       _rel(run, os.path.join(run.path, "ranks", tag + ".json")))
+        elif stats.get("steps_written") is not None and int(stats["steps_written"]) != written:
+            report.add("index", f"the metadata counts {stats['steps_written']} written steps, the index "
+                                f"lists {written}", path=ipath)
+    if run.ranks and not steps:
+        report.add("runs", "the run captured nothing (no written step in any rank)", path=run.path)
+    _check_files(run, listed, report)
+    return steps
+
+
+def _ranges(xs: List[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}..{x}")
+            start = None
+    return ", ".join(out[:10]) + (" ..." if len(out) > 10 else "")
+
+
+def _check_files(run: Run, listed: Set[str], report: Report) -> None:
+    on_disk: Set[str] = set()
+    for root, dirs, names in os.walk(run.path):
+        dirs.sort()
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, run.path)
+            if TEMP_MARK in name:
+                report.add("files", "temp file left by an interrupted write", path=_rel(run, full))
+            elif rel.startswith("data" + os.sep) and name.endswith(TENSOR_SUFFIX):
+                on_disk.add(os.path.normpath(rel))
+    report.looked("files", len(listed | on_disk))
+    for rel in sorted(listed - on_disk):
+        report.add("files", "missing: the index lists it, the disk does not have it",
+                   path=_rel(run, os.path.join(run.path, rel)))
+    for rel in sorted(on_disk - listed):
+        report.add("files", "extra: on disk but in no index line (its index line is missing?)",
+                   path=_rel(run, os.path.join(run.path, rel)))
+
+
+def _rid_at(line: dict, row: int) -> Optional[str]:
+    for s in line["seqs"]:
+        if s["offset"] <= row < s["offset"] + s["len"]:
+            return s["rid"]
+    return None
+
+
+def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int]]]) -> int:
+    """Decode every file of one step and check it. Returns bytes read."""
+    run, line = step.run, step.line
+    meta = run.ranks[step.rank]
+    n, hidden_size = line["num_tokens"], meta["hidden_size"]
+    hidden: Dict[str, np.ndarray] = {}
+    final: Dict[str, np.ndarray] = {}
+    read = 0
+    for part, f in sorted(line["files"].items()):
+        path = os.path.join(run.path, f["path"])
+        rel = _rel(run, path)
+        report.looked("header")
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                read += size
+                try:
+                    header = fmt.read_header(fh, size)
+                except fmt.InvalidOffset as e:
+                    short = "past the end" in str(e) or (isinstance(f.get("bytes"), int) and size < f["bytes"])
+                    report.add("truncated" if short else "header", str(e), path=rel)
+                    continue
+                except fmt.HeaderTooLarge as e:
+                    report.add("truncated" if "past the end" in str(e) else "header", str(e), path=rel)
+                    continue
+                except _HEADER_ERRORS as e:
+                    report.add("header", f"{type(e).__name__}: {e}", path=rel)
+                    continue
+                except fmt.CodecError as e:
+                    report.add("header", str(e), path=rel)
+                    continue
+                report.looked("truncated")
+                if isinstance(f.get("bytes"), int) and f["bytes"] != size:
+                    report.add("truncated", f"file has {size} bytes, the index recorded {f['bytes']}", path=rel)
+                _check_placement(header.metadata, meta.get("run_id"), step.rank, line["step"], part, rel, report)
+                names = {"hidden", "input_ids", "positions"} if part == "final" else {"hidden"}
+                if set(header.tensors) != names:
+                    report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=rel)
+                arrays = {}
+                for name, e in header.tensors.items():
+                    report.looked("checksum")
+                    try:
+                        raw = fmt.read_tensor_bytes(fh, header, name)
+                    except fmt.FormatError as err:
+                        report.add("checksum", f"{name}: {err}", path=rel)
+                        continue
+                    arrays[name] = fmt.to_numpy(raw, e.dtype, e.shape)
+                    _check_shape(name, e, n, hidden_size, line.get("dtype"), rel, report)
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):  # a missing file is the files check's
+                report.add("files", f"unreadable: {e.strerror or e}", path=rel)
+            continue
+        if "hidden" in arrays:
+            a = arrays["hidden"]
+            hidden[part] = a
+            report.looked("nonfinite")
+            report.looked("degenerate")
+            for check, msg in value_problems(a):
+                report.add(check, msg, path=rel)
+        if part == "final":
+            final = arrays
+    report.looked("identical")
+    for a, b in identical_pairs(hidden):
+        report.add("identical", f"parts {a} and {b} hold bit-identical states (the same layer written twice?)",
+                   path=_rel(run, os.path.join(run.path, line["files"][b]["path"])))
+    if "positions" in final and "input_ids" in final:
+        _check_rows(step, final, dataset, report)
+    return read
+
+
+def _check_placement(md: Dict[str, str], run_id: Optional[str], rank: str, step: int, part: str, rel: str,
+                     report: Report) -> None:
+    report.looked("placement")
+    want = {"run_id": run_id, "rank": rank, "step": str(step), "part": part}
+    wrong = [f"{k}={md.get(k)!r} (expected {v!r})" for k, v in want.items() if v is not None and md.get(k) != v]
+    if wrong:
+        report.add("placement", "the file holds another place's data: " + ", ".join(wrong), path=rel)
+
+
+def _check_shape(name: str, e: fmt.TensorEntry, n: int, hidden_size: int, dtype: Optional[str], rel: str,
+                 report: Report) -> None:
+    report.looked("shapes")
+    if name == "hidden":
+        want_shape, ok_dtype = (n, hidden_size), (dtype is None or e.dtype == dtype)
+    else:
+        want_shape, ok_dtype = (n,), e.dtype in ("int64", "int32")
+    if tuple(e.shape) != want_shape:
+        report.add("shapes", f"{name} has shape {list(e.shape)}, the index and run need {list(want_shape)}", path=rel)
+    if not ok_dtype:
+        report.add("shapes", f"{name} is {e.dtype}, the index says {dtype}", path=rel)
+
+
+def _check_rows(step: _Step, final: Dict[str, np.ndarray], dataset: Optional[Dict[str, List[int]]],
+                report: Report) -> None:
+    rel = _rel(step.run, os.path.join(step.run.path, step.line["files"]["final"]["path"]))
+    pos, ids = final["positions"], final["input_ids"]
+    for s in step.line["seqs"]:
+        a, ln, pre = s["offset"], s["len"], s["prefix"]
+        report.looked("positions")
+        got = pos[a:a + ln]
+        if len(got) != ln or not np.array_equal(got, np.arange(pre, pre + ln)):
+            report.add("positions", f"step {step.line['step']}: stored positions are not {pre}..{pre + ln - 1} "
+                                    "as the index says", path=rel, rid=s["rid"])
+        if dataset is not None and s["rid"] in dataset:
+            report.looked("tokens")
+            want = dataset[s["rid"]][pre:pre + ln]
+            have = ids[a:a + ln].tolist()
+            if have != want:
+                k = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+                report.add("tokens", f"token at position {pre + k} is {have[k] if k < len(have) else None}, "
+                                     f"the dataset has {want[k] if k < len(want) else None}", path=rel, rid=s["rid"])
+
+
+def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], report: Report,
+                   lengths: Optional[Dict[str, int]]) -> Dict[str, int]:
+    """Which samples are whole, by the same rule merge uses; plus a rid in two ranks of one run."""
+    try:
+        p = plan(paths, lengths, strict=False)
+    except MixedRuns:
+        return {}  # reported by the config check; coverage over a mix means nothing
+    except DumpError as e:
+        report.add("coverage", f"cannot plan the samples: {e}")
+        return {}
+    report.looked("coverage", len(p.samples) + len(p.incomplete))
+    for rid, reason in sorted(p.incomplete.items()):
+        report.add("coverage", reason, rid=rid)
+    owners: Dict[Tuple[str, str], Set[str]] = {}
+    for st in steps:
+        for s in st.line["seqs"]:
+            if s["rid"] is not None and not s["rid"].startswith("HEALTH_CHECK_"):
+                owners.setdefault((os.path.basename(st.run.path), s["rid"]), set()).add(st.rank)
+    runs_of: Dict[str, Set[str]] = {}
+    for (run_id, rid), ranks in sorted(owners.items()):
+        runs_of.setdefault(rid, set()).add(run_id)
+        if len(ranks) > 1:
+            report.add("coverage", f"captured by {len(ranks)} ranks of run {run_id} ({', '.join(sorted(ranks))}): "
+                                   "each DP group should own a request alone", rid=rid)
+    for rid, in_runs in sorted(runs_of.items()):
+        if len(in_runs) > 1 and rid in p.samples:
+            report.add("coverage", f"captured in {len(in_runs)} runs; merge uses the latest whole one", WARNING,
+                       rid=rid)
+    return {"samples_complete": len(p.samples), "samples_incomplete": len(p.incomplete),
+            "tokens": sum(pc.length for pcs in p.samples.values() for pc in pcs)}
+
+
+def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str, List[int]]] = None,
+                sample: Optional[int] = None, jobs: int = 4, seed: int = 0,
+                progress: Optional[Progress] = None) -> None:
+    runs = check_runs(paths, report)
+    steps: List[_Step] = []
+    for run in runs:
+        steps += check_index(run, report)
+    todo = steps if sample is None or sample >= len(steps) else random.Random(seed).sample(steps, sample)
+    report.stats.update(runs=len(runs), ranks=sum(len(r.ranks) for r in runs), steps=len(steps),
+                        steps_decoded=len(todo))
+    read = 0
+    window: Deque[Future] = deque()
+    done = 0
+    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscap-verify") as pool:
+        for st in todo:
+            window.append(pool.submit(check_step, st, report, dataset))
+            if len(window) >= 2 * max(1, jobs):  # bounded: a few steps in memory at once
+                read += window.popleft().result()
+                done += 1
+                if progress:
+                    progress(done, len(todo))
+        while window:
+            read += window.popleft().result()
+            done += 1
+            if progress:
+                progress(done, len(todo))
+    report.stats["bytes_read"] = read
+    report.stats.update(check_coverage(paths, runs, steps, report,
+                                       {k: len(v) for k, v in dataset.items()} if dataset is not None else None))
