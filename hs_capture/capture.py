@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import threading
-import time
 import weakref
 from typing import Any, Dict, List, Optional
 

@@ -1,8 +1,9 @@
 import os
+import random
 
 import pytest
 
-from tests.sglang_cpu.harness import make_tiny_deepseek
+from tests.sglang_cpu.harness import Server, hscap_send, make_tiny_deepseek, server_env, write_jsonl
 
 NUM_LAYERS = 6
 
@@ -19,3 +20,27 @@ def clean_env(monkeypatch):
         if k.startswith(("HSCAP_", "SGLANG_HS_")):
             monkeypatch.delenv(k)
     return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def served_dump(tiny_model, tmp_path_factory):
+    """One dump from the REAL CPU server, shared by the merge and verify suites (read-only:
+    tests that damage it work on a copy). Layers 1,3,5, pre-norm on, chunked at 128, -c 8."""
+    root = tmp_path_factory.mktemp("served")
+    rng = random.Random(7)
+    rows = []
+    for i, n in enumerate([1, 5, 64, 130, 257, 400, 33, 600, 12, 99, 300, 2]):
+        ids = [rng.randrange(2, 1000) for _ in range(n)]
+        rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
+    data = write_jsonl(root / "data.jsonl", rows)
+    d = str(root / "dump")
+    srv = Server(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), str(root / "server.log"),
+                 ["--chunked-prefill-size", "128", "--disable-radix-cache"])
+    try:
+        srv.wait_healthy()
+        rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(root / "f.jsonl"))
+        assert rc == 0 and summary["sent"] == len(rows)
+    finally:
+        srv.stop()
+    assert "final state post-norm and pre-norm" in srv.log()
+    return {"dir": d, "rows": rows, "data": data, "root": root}

@@ -4,10 +4,7 @@ prompts longer than the chunked-prefill size, lengths 1..1500, shared prefixes),
 stitched and compared with transformers. Then the radix cache ON: prefix hits are reported
 as incomplete samples, never silently wrong or short."""
 
-import json
-import os
 import random
-import subprocess
 import sys
 
 import numpy as np
@@ -16,7 +13,7 @@ import pytest
 from hs_capture.coverage import coverage, holes, is_complete
 from hs_capture.reader import open_runs, stitch
 from tests.conftest import NUM_LAYERS
-from tests.sglang_cpu.harness import LAUNCHER, REPO, Server, hf_hidden_states, server_env
+from tests.sglang_cpu.harness import LAUNCHER, Server, hf_hidden_states, hscap_send, server_env, write_jsonl
 
 LAYERS = [1, 3, 5]
 CHUNK = 256
@@ -32,20 +29,6 @@ def make_dataset(seed=0):
     samples += [shared_a + tok(rng.randrange(1, 400)) for _ in range(8)]  # one long shared prefix
     samples += [shared_b + tok(rng.randrange(1, 50)) for _ in range(4)]
     return [{"id": f"s{i:03d}", "input_ids": ids, "loss_mask": [1] * len(ids)} for i, ids in enumerate(samples)]
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return str(path)
-
-
-def hscap_send(*args):
-    out = subprocess.run([sys.executable, "-m", "hs_capture.cli", "send", "--json", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=900)
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    return out.returncode, json.loads(out.stdout)
 
 
 def assert_equal_to_transformers(sample, ids, model, positions=None):

@@ -4,7 +4,6 @@ same files as one clean merge; incomplete samples are listed, never written."""
 
 import json
 import os
-import random
 import shutil
 
 import numpy as np
@@ -14,33 +13,15 @@ from click.testing import CliRunner
 
 from hs_capture.cli import main
 from tests.conftest import NUM_LAYERS
-from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
-from tests.test_e2e import hscap_send, write_jsonl
+from tests.sglang_cpu.harness import hf_hidden_states, write_jsonl
 
 LAYERS = [1, 3, 5]
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def dump(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("merge")
-    rng = random.Random(7)
-    rows = []
-    for i, n in enumerate([1, 5, 64, 130, 257, 400, 33, 600, 12, 99, 300, 2]):
-        ids = [rng.randrange(2, 1000) for _ in range(n)]
-        rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
-    data = write_jsonl(root / "data.jsonl", rows)
-    d = str(root / "dump")
-    srv = Server(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), str(root / "server.log"),
-                 ["--chunked-prefill-size", "128", "--disable-radix-cache"])
-    try:
-        srv.wait_healthy()
-        rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(root / "f.jsonl"))
-        assert rc == 0 and summary["sent"] == len(rows)
-    finally:
-        srv.stop()
-    assert "final state post-norm and pre-norm" in srv.log()
-    return {"dir": d, "rows": rows, "data": data, "root": root}
+def dump(served_dump):
+    return served_dump
 
 
 def run_merge(*args):

@@ -33,6 +33,11 @@ class _Step:
     run: Run
     rank: str
     line: dict
+    damaged: bool = False  # a file of it is missing or unreadable: merge cannot cut samples from it
+
+    @property
+    def key(self) -> Tuple[str, str, int]:
+        return (os.path.basename(self.run.path), self.rank, self.line["step"])
 
 
 def _config(meta: dict) -> Tuple:
@@ -152,7 +157,10 @@ def check_index(run: Run, report: Report) -> List[_Step]:
                                 f"lists {written}", path=ipath)
     if run.ranks and not steps:
         report.add("runs", "the run captured nothing (no written step in any rank)", path=run.path)
-    _check_files(run, listed, report)
+    missing = _check_files(run, listed, report)
+    for st in steps:
+        if any(os.path.normpath(f["path"]) in missing for f in st.line["files"].values()):
+            st.damaged = True
     return steps
 
 
@@ -167,7 +175,8 @@ def _ranges(xs: List[int]) -> str:
     return ", ".join(out[:10]) + (" ..." if len(out) > 10 else "")
 
 
-def _check_files(run: Run, listed: Set[str], report: Report) -> None:
+def _check_files(run: Run, listed: Set[str], report: Report) -> Set[str]:
+    """Compare the index with the disk; returns the listed paths that are missing."""
     on_disk: Set[str] = set()
     for root, dirs, names in os.walk(run.path):
         dirs.sort()
@@ -185,19 +194,32 @@ def _check_files(run: Run, listed: Set[str], report: Report) -> None:
     for rel in sorted(on_disk - listed):
         report.add("files", "extra: on disk but in no index line (its index line is missing?)",
                    path=_rel(run, os.path.join(run.path, rel)))
+    return listed - on_disk
 
 
-def _rid_at(line: dict, row: int) -> Optional[str]:
-    for s in line["seqs"]:
-        if s["offset"] <= row < s["offset"] + s["len"]:
-            return s["rid"]
-    return None
+class _Marking:
+    """A Report view that marks the step damaged when a structural error is added for it."""
+
+    STRUCTURAL = {"files", "header", "truncated", "checksum", "placement", "shapes", "positions"}
+
+    def __init__(self, report: Report, step: _Step) -> None:
+        self._report, self._step = report, step
+
+    def add(self, check: str, message: str, severity: str = "error", path: Optional[str] = None,
+            rid: Optional[str] = None) -> None:
+        if severity == "error" and check in self.STRUCTURAL:
+            self._step.damaged = True
+        self._report.add(check, message, severity, path, rid)
+
+    def looked(self, check: str, n: int = 1) -> None:
+        self._report.looked(check, n)
 
 
-def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int]]]) -> int:
+def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int]]]) -> int:  # noqa: C901
     """Decode every file of one step and check it. Returns bytes read."""
     run, line = step.run, step.line
     meta = run.ranks[step.rank]
+    report = _Marking(report, step)
     n, hidden_size = line["num_tokens"], meta["hidden_size"]
     hidden: Dict[str, np.ndarray] = {}
     final: Dict[str, np.ndarray] = {}
@@ -226,8 +248,9 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
                     report.add("header", str(e), path=rel)
                     continue
                 report.looked("truncated")
-                if isinstance(f.get("bytes"), int) and f["bytes"] != size:
-                    report.add("truncated", f"file has {size} bytes, the index recorded {f['bytes']}", path=rel)
+                if isinstance(f.get("bytes"), int) and f["bytes"] != size:  # whole, but not what was indexed
+                    report.add("files", f"file has {size} bytes, the index recorded {f['bytes']} "
+                                        "(rewritten after capture?)", WARNING, rel)
                 _check_placement(header.metadata, meta.get("run_id"), step.rank, line["step"], part, rel, report)
                 names = {"hidden", "input_ids", "positions"} if part == "final" else {"hidden"}
                 if set(header.tensors) != names:
@@ -320,6 +343,14 @@ def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], re
     report.looked("coverage", len(p.samples) + len(p.incomplete))
     for rid, reason in sorted(p.incomplete.items()):
         report.add("coverage", reason, rid=rid)
+    damaged = {st.key for st in steps if st.damaged}
+    lost = 0
+    for rid, pieces in sorted(p.samples.items()):
+        bad = [pc for pc in pieces if (os.path.basename(p.runs[pc.run].path), pc.rank, pc.step) in damaged]
+        if bad:
+            lost += 1
+            report.add("coverage", f"step {bad[0].step} of {bad[0].rank} is damaged (see the file findings): "
+                                   "merge cannot assemble this sample", rid=rid)
     owners: Dict[Tuple[str, str], Set[str]] = {}
     for st in steps:
         for s in st.line["seqs"]:
@@ -335,7 +366,7 @@ def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], re
         if len(in_runs) > 1 and rid in p.samples:
             report.add("coverage", f"captured in {len(in_runs)} runs; merge uses the latest whole one", WARNING,
                        rid=rid)
-    return {"samples_complete": len(p.samples), "samples_incomplete": len(p.incomplete),
+    return {"samples_complete": len(p.samples) - lost, "samples_incomplete": len(p.incomplete) + lost,
             "tokens": sum(pc.length for pcs in p.samples.values() for pc in pcs)}
 
 

@@ -29,7 +29,9 @@ class Reference:
     def __init__(self, model_dir: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()  # stderr stays readable next to --json
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.num_layers = int(self.model.config.num_hidden_layers)

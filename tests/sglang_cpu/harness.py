@@ -211,3 +211,18 @@ def hf_hidden_states(model_dir: str, input_ids: List[int], prenorm: bool = False
 
 
 _HF: Dict[str, object] = {}
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def hscap_send(*args):
+    """`hscap send --json ...` in a subprocess: (exit code, summary)."""
+    out = subprocess.run([sys.executable, "-m", "hs_capture.cli", "send", "--json", *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=900)
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out.returncode, json.loads(out.stdout)
