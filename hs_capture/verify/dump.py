@@ -21,7 +21,7 @@ from ..assemble import MixedRuns, plan
 from ..layout import TEMP_MARK, TENSOR_SUFFIX
 from ..reader import DumpError, Run, line_problem, open_runs
 from .report import WARNING, Report
-from .values import identical_pairs, value_problems
+from .values import as_array, identical_pairs, value_problems
 
 Progress = Callable[[int, int], None]
 _HEADER_ERRORS = (fmt.HeaderTooSmall, fmt.BadMagic, fmt.HeaderTooLarge, fmt.InvalidHeader,
@@ -255,7 +255,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
                 names = {"hidden", "input_ids", "positions"} if part == "final" else {"hidden"}
                 if set(header.tensors) != names:
                     report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=rel)
-                arrays = {}
+                arrays, bf16 = {}, {}
                 for name, e in header.tensors.items():
                     report.looked("checksum")
                     try:
@@ -263,7 +263,8 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
                     except fmt.FormatError as err:
                         report.add("checksum", f"{name}: {err}", path=rel)
                         continue
-                    arrays[name] = fmt.to_numpy(raw, e.dtype, e.shape)
+                    arrays[name] = as_array(raw, e.dtype, e.shape)
+                    bf16[name] = e.dtype == "bfloat16"
                     _check_shape(name, e, n, hidden_size, line.get("dtype"), rel, report)
         except OSError as e:
             if not isinstance(e, FileNotFoundError):  # a missing file is the files check's
@@ -274,7 +275,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
             hidden[part] = a
             report.looked("nonfinite")
             report.looked("degenerate")
-            for check, msg in value_problems(a):
+            for check, msg in value_problems(a, bf16["hidden"]):
                 report.add(check, msg, path=rel)
         if part == "final":
             final = arrays
