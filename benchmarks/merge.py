@@ -63,11 +63,14 @@ def synthetic_dump(root: str, steps: int, seed: int = 0) -> int:
 
 
 def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
+    # A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec,
+    # and this process holds the synthetic tensors): reset it first (clear_refs 5).
     cmd = [sys.executable, "-c",
-           "import json, resource, sys; from hs_capture.cli import main; "
-           "sys.argv = ['hscap'] + sys.argv[1:]\n"
+           "import json, resource, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
+           "from hs_capture.cli import main; sys.argv = ['hscap'] + sys.argv[1:]\n"
            "try:\n    main()\nfinally:\n"
-           "    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+           "    import re; r = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+           "    c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
            "    print(json.dumps({'peak_rss_mb': round(max(r, c) / 1024)}), file=sys.stderr)",
            "merge", dump, "-o", out, "--format", fmt, "-j", str(jobs), "--json", "--cache-mb", "1024"]
     t0 = time.perf_counter()
