@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Mapping, Optional
 
+from .codec import CODECS
+
 DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deployment's name
 ON_FULL_POLICIES = ("block", "drop")
 
@@ -23,7 +25,7 @@ class CaptureConfig:
     dump_dir: str
     run_id: str
     layers: Optional[List[int]] = None  # None: the model's EAGLE-3 default
-    codec: str = "zstd"
+    codec: str = "bytegroup"
     level: int = 1
     writer_threads: int = 2
     max_inflight_bytes: int = 4 << 30
@@ -90,9 +92,9 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     run_id = env.get("HSCAP_RUN_ID", "").strip()
     if not run_id:
         raise ConfigError("HSCAP_RUN_ID is not set (the bootstrap sets it in the launching process)")
-    codec = env.get("HSCAP_CODEC", "zstd").strip() or "zstd"
-    if codec not in ("zstd", "raw"):
-        raise ConfigError(f"HSCAP_CODEC={codec!r}: choose zstd or raw")
+    codec = env.get("HSCAP_CODEC", "bytegroup").strip() or "bytegroup"
+    if codec not in CODECS:
+        raise ConfigError(f"HSCAP_CODEC={codec!r}: choose one of {', '.join(CODECS)}")
     on_full = env.get("HSCAP_ON_FULL", "block").strip() or "block"
     if on_full not in ON_FULL_POLICIES:
         raise ConfigError(f"HSCAP_ON_FULL={on_full!r}: choose block (lossless) or drop (counted)")

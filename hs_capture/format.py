@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 import zlib
 from dataclasses import dataclass
 from typing import BinaryIO, Dict, Iterable, List, Mapping, Sequence
+
+from . import codec as _codec
+from .codec import CODECS, CodecError, FormatError, SizeMismatch  # noqa: F401 (re-exported)
 
 MAGIC = b"HSCAPT\x00\x01"
 FORMAT_VERSION = 1
@@ -29,11 +31,6 @@ _PREFIX = len(MAGIC) + 8
 
 # name -> bytes per element. bfloat16 has no numpy dtype: readers view it through torch.
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
-CODECS = ("raw", "zstd")
-
-
-class FormatError(ValueError):
-    """Base of every rule a .hst file can break; the class name is the rule."""
 
 
 class HeaderTooSmall(FormatError):
@@ -64,14 +61,6 @@ class InvalidOffset(FormatError):
     pass
 
 
-class SizeMismatch(FormatError):
-    pass
-
-
-class CodecError(FormatError):
-    pass
-
-
 class ChecksumMismatch(FormatError):
     pass
 
@@ -95,64 +84,12 @@ class Header:
     payload_start: int
 
 
-# ---------------------------------------------------------------- codecs
-# zstandard objects are not thread-safe (a shared compressor segfaulted on the
-# H200 host): one per thread.
-_tls = threading.local()
+def encode_payload(raw: memoryview, codec: str, level: int, itemsize: int = 1):
+    return _codec.encode(raw, codec, level, itemsize)
 
 
-def _compressor(level: int):
-    import zstandard
-
-    cache = getattr(_tls, "compressors", None)
-    if cache is None:
-        cache = _tls.compressors = {}
-    c = cache.get(level)
-    if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return c
-
-
-def _decompressor():
-    import zstandard
-
-    d = getattr(_tls, "decompressor", None)
-    if d is None:
-        d = _tls.decompressor = zstandard.ZstdDecompressor()
-    return d
-
-
-def encode_payload(raw: memoryview, codec: str, level: int) -> bytes:
-    if codec == "raw":
-        return raw
-    if codec == "zstd":
-        return _compressor(level).compress(raw)
-    raise CodecError(f"unknown codec {codec!r}")
-
-
-def decode_payload(data: bytes, codec: str, nbytes: int) -> bytes:
-    if codec == "raw":
-        if len(data) != nbytes:
-            raise SizeMismatch(f"raw payload is {len(data)} bytes, header says {nbytes}")
-        return data
-    if codec == "zstd":
-        import zstandard
-
-        try:
-            declared = zstandard.frame_content_size(data)
-        except zstandard.ZstdError as e:
-            raise CodecError(f"bad zstd frame: {e}") from None
-        # A frame must declare its size and it must be the header's: no zip bombs.
-        if declared != nbytes:
-            raise SizeMismatch(f"zstd frame declares {declared} bytes, header says {nbytes}")
-        try:
-            out = _decompressor().decompress(data, max_output_size=nbytes)
-        except zstandard.ZstdError as e:
-            raise CodecError(f"zstd decode failed: {e}") from None
-        if len(out) != nbytes:
-            raise SizeMismatch(f"zstd frame decoded to {len(out)} bytes, header says {nbytes}")
-        return out
-    raise CodecError(f"unknown codec {codec!r}")
+def decode_payload(data: bytes, codec: str, nbytes: int, itemsize: int = 1) -> bytes:
+    return _codec.decode(data, codec, nbytes, itemsize)
 
 
 # ---------------------------------------------------------------- writing
@@ -170,8 +107,7 @@ def encode_file(
     tensors: Iterable[RawTensor], metadata: Mapping[str, str], codec: str = "zstd", level: int = 1
 ) -> List[bytes]:
     """Return the chunks of one .hst file (header first), ready to be written in order."""
-    if codec not in CODECS:
-        raise CodecError(f"unknown codec {codec!r}")
+    _codec.codec_for(codec, "float32")  # an unknown codec fails before any work
     entries: Dict[str, dict] = {}
     payloads: List[bytes] = []
     offset = 0
@@ -184,17 +120,19 @@ def encode_file(
         expect = _checked_nbytes(t.name, t.dtype, t.shape)
         if raw.nbytes != expect:
             raise SizeMismatch(f"{t.name}: {raw.nbytes} bytes given, shape/dtype need {expect}")
-        payload = encode_payload(raw, codec, level)
-        size = len(payload) if isinstance(payload, bytes) else payload.nbytes
+        used = _codec.codec_for(codec, t.dtype)
+        payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype])
+        chunks = payload if isinstance(payload, list) else [payload]
+        size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
         entries[t.name] = {
             "dtype": t.dtype,
             "shape": [int(s) for s in t.shape],
-            "codec": codec,
+            "codec": used,
             "offsets": [offset, offset + size],
             "nbytes": raw.nbytes,
             "crc32": zlib.crc32(raw),
         }
-        payloads.append(payload)
+        payloads += chunks
         offset += size
     header = {
         "__format__": {"version": FORMAT_VERSION},
@@ -283,6 +221,8 @@ def _entry(name: str, info) -> TensorEntry:
         raise TensorInvalidInfo(f"{name}: unsupported dtype {dtype!r}")
     if codec not in CODECS:
         raise CodecError(f"{name}: unknown codec {codec!r}")
+    if codec == "bytegroup" and dtype not in _codec.FLOAT_DTYPES:
+        raise CodecError(f"{name}: bytegroup is for floats, not {dtype}")
     if not isinstance(shape, list):
         raise TensorInvalidInfo(f"{name}: shape is not a list")
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (begin, end, nbytes, crc)):
@@ -300,7 +240,7 @@ def read_tensor_bytes(f: BinaryIO, header: Header, name: str) -> bytes:
         raise TensorInvalidInfo(f"no tensor named {name!r}") from None
     f.seek(header.payload_start + e.begin)
     data = f.read(e.end - e.begin)
-    raw = decode_payload(data, e.codec, e.nbytes)
+    raw = decode_payload(data, e.codec, e.nbytes, ITEMSIZE[e.dtype])
     if zlib.crc32(raw) != e.crc32:
         raise ChecksumMismatch(f"{name}: crc32 of the decoded bytes does not match the header")
     return raw

@@ -102,7 +102,7 @@ FORMATS = {
 HSCAP_INDEX = "index.json"
 
 
-def write_hscap_shard(path: str, items, codec: str = "zstd", level: int = 1) -> int:
+def write_hscap_shard(path: str, items, codec: str = "bytegroup", level: int = 1) -> int:
     """One .hst file holding many samples: tensors "<row>/aux", "<row>/final", "<row>/input_ids",
     "<row>/loss_mask" (and "<row>/prenorm"); the header's offsets give random access, and
     its metadata lists the samples, so the index can be rebuilt from headers alone.

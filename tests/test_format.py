@@ -35,7 +35,9 @@ def test_round_trip_is_bit_exact(codec, dtype):
     h, out = decode(encode([raw("hidden", t), raw("input_ids", ids)], codec))
     assert torch.equal(out["hidden"], t) and out["hidden"].dtype == dtype
     assert torch.equal(out["input_ids"], ids)
-    assert h.metadata == {"k": "v"} and h.tensors["hidden"].codec == codec
+    want = "zstd" if codec == "bytegroup" and not dtype.is_floating_point else codec
+    assert h.metadata == {"k": "v"} and h.tensors["hidden"].codec == want
+    assert h.tensors["input_ids"].codec == ("zstd" if codec == "bytegroup" else codec)
     assert h.payload_start % 8 == 0
 
 
@@ -122,3 +124,86 @@ def test_zstd_frame_must_declare_the_header_size():
 def test_writer_refuses_bytes_that_disagree_with_the_shape():
     with pytest.raises(fmt.SizeMismatch):
         fmt.encode_file([fmt.RawTensor("x", "float32", [3], memoryview(b"\0" * 8))], {})
+
+
+# ---------------------------------------------------------------- bytegroup
+@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, torch.int16), (torch.float16, torch.int16),
+                                         (torch.float32, torch.int32)])
+def test_bytegroup_keeps_every_bit_pattern(dtype, width):
+    """NaN payloads, -0.0, subnormals, Inf: every pattern comes back exactly."""
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2 ** 15), 2 ** 15, (4099,), generator=g, dtype=torch.int32)
+    if width == torch.int16:
+        t = bits.to(torch.int16).view(dtype)
+    else:
+        t = (bits * 65537 + 12345).view(dtype)
+    h, out = decode(encode([raw("x", t)], "bytegroup"))
+    assert h.tensors["x"].codec == "bytegroup"
+    assert torch.equal(out["x"].view(width), t.view(width))
+
+
+def llm_like_bf16(rows=512, h=1024, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, h, generator=g)
+    x[:, torch.randperm(h, generator=g)[:8]] *= 50  # outlier channels of residual streams
+    return x.to(torch.bfloat16)
+
+
+def test_bytegroup_compresses_exponents_and_stores_mantissas_raw():
+    t = llm_like_bf16()
+    blob_bg = encode([raw("x", t)], "bytegroup")
+    blob_z = encode([raw("x", t)], "zstd")
+    h = fmt.read_header(io.BytesIO(blob_bg), len(blob_bg))
+    payload = blob_bg[h.payload_start:]
+    modes = [payload[2 + 9 * j] for j in range(2)]
+    assert modes == [0, 1]  # low byte (mantissa) raw, high byte (sign, exponent) zstd
+    assert len(blob_bg) < 0.9 * len(blob_z) and t.numel() * 2 / len(blob_bg) > 1.35
+
+
+def _bg_file(t):
+    blob = bytearray(encode([raw("x", t)], "bytegroup"))
+    h = fmt.read_header(io.BytesIO(bytes(blob)), len(blob))
+    return blob, h.payload_start
+
+
+@pytest.mark.parametrize("damage,error", [
+    (lambda b, p: b.__setitem__(p, 9), "version 9"),                         # version
+    (lambda b, p: b.__setitem__(p + 1, 4), "4-byte elements"),                # itemsize
+    (lambda b, p: b.__setitem__(p + 2, 7), "unknown mode 7"),                 # plane mode
+    (lambda b, p: b.__setitem__(slice(p + 3, p + 11), (10 ** 9).to_bytes(8, "little")), "runs past"),
+    (lambda b, p: b.__setitem__(slice(p + 3, p + 11), (5).to_bytes(8, "little")), ""),  # planes no longer tile
+])
+def test_bytegroup_malformed_tables_are_clear_errors(damage, error):
+    blob, p = _bg_file(llm_like_bf16(64, 64))
+    damage(blob, p)
+    f = io.BytesIO(bytes(blob))
+    h = fmt.read_header(f, len(blob))
+    with pytest.raises(fmt.FormatError, match=error):
+        fmt.read_tensor_bytes(f, h, "x")
+
+
+def test_bytegroup_plane_frame_declaring_another_size_is_refused():
+    import struct
+
+    import zstandard
+
+    t = llm_like_bf16(64, 64)
+    count = t.numel()
+    bomb = zstandard.ZstdCompressor().compress(bytes(count * 1000))  # declares 1000x the plane
+    lo = bytes(count)
+    payload = struct.pack("<BB", 1, 2) + struct.pack("<BQ", 0, count) + struct.pack("<BQ", 1, len(bomb)) + lo + bomb
+    header = {"__format__": {"version": 1}, "x": {"dtype": "bfloat16", "shape": [64, 64], "codec": "bytegroup",
+                                                  "offsets": [0, len(payload)], "nbytes": count * 2, "crc32": 0}}
+    blob = _with_header(header, payload)
+    f = io.BytesIO(blob)
+    h = fmt.read_header(f, len(blob))
+    with pytest.raises(fmt.SizeMismatch, match="declares"):
+        fmt.read_tensor_bytes(f, h, "x")
+
+
+def test_bytegroup_is_refused_for_integers_in_a_header():
+    header = {"__format__": {"version": 1}, "x": {"dtype": "int64", "shape": [1], "codec": "bytegroup",
+                                                  "offsets": [0, 8], "nbytes": 8, "crc32": 0}}
+    blob = _with_header(header, bytes(8))
+    with pytest.raises(fmt.CodecError, match="bytegroup is for floats"):
+        fmt.read_header(io.BytesIO(blob), len(blob))
