@@ -49,6 +49,7 @@ class ModelCapture:
         self._lists: Optional[tuple] = None  # (ours + host's, host's only)
         self.errors = 0
         self.steps = 0
+        self._graph_skips = 0
         self._want_prenorm = False
         self._prenorm: Optional[torch.Tensor] = None
         self.prenorm_hooked = False
@@ -88,6 +89,14 @@ class ModelCapture:
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
         capturing = self.writer is not None and mode in CAPTURED_MODES
+        if capturing and _graph_capturing():
+            # Under CUDA-graph capture this Python runs once, on placeholder inputs, and never
+            # again on replay: take nothing (and add no layer to the graph), say so once.
+            capturing = False
+            self._graph_skips += 1
+            if self._graph_skips == 1:
+                log.warning("a %s forward ran under CUDA-graph capture: not captured (its replays "
+                            "would never reach this hook); disable prefill CUDA graphs", mode)
         try:
             current = self.layers_for(model, capturing)
         except Exception as e:  # never let bookkeeping break serving
@@ -190,6 +199,10 @@ class ModelCapture:
         parent = self._parent()
         if parent is not None:
             parent.capture_aux_hidden_states = self.host_flag or bool(self.host_layers)
+
+
+def _graph_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:

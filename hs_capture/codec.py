@@ -121,24 +121,26 @@ def decode(data: bytes, codec: str, nbytes: int, itemsize: int) -> bytes:
     raise CodecError(f"unknown codec {codec!r}")
 
 
-def _bytegroup_encode(raw: memoryview, level: int, itemsize: int) -> List[bytes]:
+def _bytegroup_encode(raw, level: int, itemsize: int) -> List[bytes]:
+    """raw: a contiguous buffer, or a 2-D uint8 array with contiguous rows (planes are cut
+    straight out of it: no contiguous copy first)."""
     import numpy as np
 
-    u8 = np.frombuffer(raw, dtype=np.uint8)
-    if itemsize == 1 or u8.size % itemsize:
+    if itemsize == 1:
+        raise CodecError("bytegroup needs elements of 2 bytes or more")
+    u8 = raw if isinstance(raw, np.ndarray) else np.frombuffer(raw, dtype=np.uint8)
+    if u8.shape[-1] % itemsize:
         raise CodecError(f"bytegroup needs whole elements of {itemsize} bytes")
-    grouped = u8.reshape(-1, itemsize).T  # a strided view: plane j = row j
     table, planes = [], []
     for j in range(itemsize):
-        plane = np.ascontiguousarray(grouped[j])
-        mode, out = 0, plane
+        plane = np.ascontiguousarray(u8[..., j::itemsize]).reshape(-1)  # byte j of every element
+        mode, data, size = 0, memoryview(plane), plane.size
         if plane.size:
             c = _compressor(level, fast_planes=True)
             head = plane[:_SAMPLE]
             if len(c.compress(head)) * _WORTH <= head.size:
-                mode, out = 1, c.compress(plane)
-        data = out if mode else memoryview(plane)
-        size = len(data) if mode else plane.size
+                data = c.compress(plane)
+                mode, size = 1, len(data)
         table.append(struct.pack("<BQ", mode, size))
         planes.append(data)
     return [struct.pack("<BB", _BG_VERSION, itemsize) + b"".join(table), *planes]

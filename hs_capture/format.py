@@ -95,7 +95,8 @@ def decode_payload(data: bytes, codec: str, nbytes: int, itemsize: int = 1) -> b
 # ---------------------------------------------------------------- writing
 @dataclass(frozen=True)
 class RawTensor:
-    """What the writer hands in: a name, a dtype name, a shape and C-order bytes."""
+    """What the writer hands in: a name, a dtype name, a shape and C-order bytes (a buffer,
+    or a 2-D uint8 numpy array of row-contiguous bytes: see _raw_and_crc)."""
 
     name: str
     dtype: str
@@ -115,12 +116,16 @@ def encode_file(
     for t in sorted(tensors, key=lambda t: t.name):
         if t.dtype not in ITEMSIZE:
             raise TensorInvalidInfo(f"{t.name}: unsupported dtype {t.dtype!r}")
-        view = memoryview(t.data)
-        raw = view.cast("B") if view.nbytes else memoryview(b"")
         expect = _checked_nbytes(t.name, t.dtype, t.shape)
-        if raw.nbytes != expect:
-            raise SizeMismatch(f"{t.name}: {raw.nbytes} bytes given, shape/dtype need {expect}")
+        raw, crc = _raw_and_crc(t.data)
+        nbytes = raw.nbytes if isinstance(raw, memoryview) else raw.size
+        if nbytes != expect:
+            raise SizeMismatch(f"{t.name}: {nbytes} bytes given, shape/dtype need {expect}")
         used = _codec.codec_for(codec, t.dtype)
+        if used != "bytegroup" and not isinstance(raw, memoryview):
+            import numpy as np
+
+            raw = memoryview(np.ascontiguousarray(raw)).cast("B")
         payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype])
         chunks = payload if isinstance(payload, list) else [payload]
         size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
@@ -129,8 +134,8 @@ def encode_file(
             "shape": [int(s) for s in t.shape],
             "codec": used,
             "offsets": [offset, offset + size],
-            "nbytes": raw.nbytes,
-            "crc32": zlib.crc32(raw),
+            "nbytes": nbytes,
+            "crc32": crc,
         }
         payloads += chunks
         offset += size
@@ -142,6 +147,20 @@ def encode_file(
     blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     blob += b" " * (-len(blob) % 8)
     return [MAGIC + struct.pack("<Q", len(blob)) + blob, *payloads]
+
+
+def _raw_and_crc(data):
+    """Bytes to encode and their crc32. `data` is a buffer, or a 2-D uint8 numpy array whose
+    rows are contiguous but not adjacent (one layer's column block of SGLang's packed aux
+    buffer): such a block is checksummed row by row and never copied whole."""
+    if hasattr(data, "flags") and data.ndim == 2 and not data.flags.c_contiguous:  # numpy
+        crc = 0
+        for row in data:
+            crc = zlib.crc32(row, crc)
+        return data, crc
+    view = memoryview(data)
+    raw = view.cast("B") if view.nbytes else memoryview(b"")
+    return raw, zlib.crc32(raw)
 
 
 def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:

@@ -191,7 +191,7 @@ class ShardWriter:
             if name == "aux":
                 width = t.shape[-1] // max(1, len(aux_layers))
                 for j, layer in enumerate(aux_layers):
-                    parts[f"L{layer:02d}"] = t[..., j * width:(j + 1) * width].contiguous()
+                    parts[f"L{layer:02d}"] = t[..., j * width:(j + 1) * width]  # a view: encoded in place
             else:
                 parts[name] = t
         return parts
@@ -265,6 +265,13 @@ class ShardWriter:
         atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+def _bytes_of(t: torch.Tensor):
+    """The tensor's bytes without a copy: a buffer, or for a column block of a 2-D tensor
+    (rows contiguous, not adjacent) a 2-D uint8 array that format.encode_file reads row-wise."""
+    if not t.numel():
+        return memoryview(b"")
+    if t.is_contiguous():
+        return memoryview(t.view(torch.uint8).numpy())
+    if t.dim() == 2 and t.stride(-1) == 1:
+        return t.view(torch.uint8).numpy()
+    return memoryview(t.contiguous().view(torch.uint8).numpy())

@@ -207,3 +207,16 @@ def test_bytegroup_is_refused_for_integers_in_a_header():
     blob = _with_header(header, bytes(8))
     with pytest.raises(fmt.CodecError, match="bytegroup is for floats"):
         fmt.read_header(io.BytesIO(blob), len(blob))
+
+
+@pytest.mark.parametrize("codec", fmt.CODECS)
+def test_a_column_block_encodes_like_its_contiguous_copy(codec):
+    """The writer hands one layer's block of SGLang's packed [T, K*H] aux as a strided view:
+    the file must be byte-identical to the one of a contiguous copy."""
+    packed = llm_like_bf16(64, 3 * 96)
+    block = packed[:, 96:192]
+    strided = fmt.RawTensor("hidden", "bfloat16", [64, 96], block.view(torch.uint8).numpy())
+    assert not strided.data.flags.c_contiguous
+    assert encode([strided], codec) == encode([raw("hidden", block.contiguous())], codec)
+    _, out = decode(encode([strided], codec))
+    assert torch.equal(out["hidden"], block)
