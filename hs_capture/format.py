@@ -84,8 +84,8 @@ class Header:
     payload_start: int
 
 
-def encode_payload(raw: memoryview, codec: str, level: int, itemsize: int = 1):
-    return _codec.encode(raw, codec, level, itemsize)
+def encode_payload(raw, codec: str, level: int, itemsize: int = 1, dtype: str = "", row_bytes: int = 0):
+    return _codec.encode(raw, codec, level, itemsize, dtype, row_bytes)
 
 
 def decode_payload(data: bytes, codec: str, nbytes: int, itemsize: int = 1) -> bytes:
@@ -126,7 +126,8 @@ def encode_file(
             import numpy as np
 
             raw = memoryview(np.ascontiguousarray(raw)).cast("B")
-        payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype])
+        row_bytes = int(t.shape[-1]) * ITEMSIZE[t.dtype] if len(t.shape) else 0
+        payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype], t.dtype, row_bytes)
         chunks = payload if isinstance(payload, list) else [payload]
         size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
         entries[t.name] = {

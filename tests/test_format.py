@@ -11,8 +11,8 @@ import torch
 from hs_capture import format as fmt
 
 
-def encode(tensors, codec="zstd", meta=None):
-    return b"".join(bytes(c) for c in fmt.encode_file(tensors, meta or {"k": "v"}, codec, 1))
+def encode(tensors, codec="zstd", meta=None, level=1):
+    return b"".join(bytes(c) for c in fmt.encode_file(tensors, meta or {"k": "v"}, codec, level))
 
 
 def raw(name, t):
@@ -54,9 +54,11 @@ def test_identical_captures_give_identical_bytes():
     assert encode([raw("a", t), raw("b", t)]) == encode([raw("b", t), raw("a", t)])
 
 
-def test_empty_tensor_round_trips():
-    h, out = decode(encode([raw("x", torch.empty(0, 8))]))
-    assert out["x"].shape == (0, 8)
+@pytest.mark.parametrize("codec,level", [("raw", 1), ("zstd", 1), ("bytegroup", 1), ("bytegroup", 2)])
+def test_empty_tensor_round_trips(codec, level):
+    for shape in ((0, 8), (0,), (8, 0)):
+        h, out = decode(encode([raw("x", torch.empty(shape))], codec, level=level))
+        assert out["x"].shape == shape
 
 
 def _with_header(header: dict, payload: bytes = b"") -> bytes:
@@ -127,51 +129,72 @@ def test_writer_refuses_bytes_that_disagree_with_the_shape():
 
 
 # ---------------------------------------------------------------- bytegroup
+HEAD, ENTRY = 12, 9  # bytegroup payload prefix and chunk-table entry sizes
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
 @pytest.mark.parametrize("dtype,width", [(torch.bfloat16, torch.int16), (torch.float16, torch.int16),
                                          (torch.float32, torch.int32)])
-def test_bytegroup_keeps_every_bit_pattern(dtype, width):
-    """NaN payloads, -0.0, subnormals, Inf: every pattern comes back exactly."""
+def test_bytegroup_keeps_every_bit_pattern(dtype, width, level):
+    """NaN payloads, -0.0, subnormals, Inf: every pattern comes back exactly, at every level."""
     g = torch.Generator().manual_seed(3)
-    bits = torch.randint(-(2 ** 15), 2 ** 15, (4099,), generator=g, dtype=torch.int32)
+    bits = torch.randint(-(2 ** 15), 2 ** 15, (4096 * 3,), generator=g, dtype=torch.int32)
     if width == torch.int16:
         t = bits.to(torch.int16).view(dtype)
     else:
         t = (bits * 65537 + 12345).view(dtype)
-    h, out = decode(encode([raw("x", t)], "bytegroup"))
-    assert h.tensors["x"].codec == "bytegroup"
-    assert torch.equal(out["x"].view(width), t.view(width))
+    for shape in ((4096 * 3,), (96, 128), (1, 4096 * 3), (4096 * 3, 1)):
+        x = t.reshape(shape)
+        h, out = decode(encode([raw("x", x)], "bytegroup", level=level))
+        assert h.tensors["x"].codec == "bytegroup"
+        assert torch.equal(out["x"].view(width), x.view(width)), shape
 
 
 def llm_like_bf16(rows=512, h=1024, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, h, generator=g)
     x[:, torch.randperm(h, generator=g)[:8]] *= 50  # outlier channels of residual streams
+    x *= torch.rand(rows, 1, generator=g) * 2 + 0.5  # per-token scale
     return x.to(torch.bfloat16)
+
+
+def _payload(blob):
+    h = fmt.read_header(io.BytesIO(blob), len(blob))
+    return h, blob[h.payload_start:]
 
 
 def test_bytegroup_compresses_exponents_and_stores_mantissas_raw():
     t = llm_like_bf16()
-    blob_bg = encode([raw("x", t)], "bytegroup")
-    blob_z = encode([raw("x", t)], "zstd")
-    h = fmt.read_header(io.BytesIO(blob_bg), len(blob_bg))
-    payload = blob_bg[h.payload_start:]
-    modes = [payload[2 + 9 * j] for j in range(2)]
-    assert modes == [0, 1]  # low byte (mantissa) raw, high byte (sign, exponent) zstd
-    assert len(blob_bg) < 0.9 * len(blob_z) and t.numel() * 2 / len(blob_bg) > 1.35
+    z = len(encode([raw("x", t)], "zstd"))
+    sizes = {}
+    for level, transform in ((1, 0), (2, 1)):
+        blob = encode([raw("x", t)], "bytegroup", level=level)
+        _, payload = _payload(blob)
+        n = payload[3]
+        modes = [payload[HEAD + ENTRY * j] for j in range(n)]
+        assert payload[2] == transform
+        # level 1: low byte (mantissa) raw, high byte (sign, exponent) zstd; level 2: the row
+        # centres (raw), then sign+mantissa (raw) and the exponent (zstd)
+        assert modes == ([0, 1] if level == 1 else [0, 0, 1])
+        sizes[level] = len(blob)
+    assert sizes[2] < sizes[1] < 0.9 * z and t.numel() * 2 / sizes[2] > 1.45
 
 
-def _bg_file(t):
-    blob = bytearray(encode([raw("x", t)], "bytegroup"))
+def _bg_file(t, level=1):
+    blob = bytearray(encode([raw("x", t)], "bytegroup", level=level))
     h = fmt.read_header(io.BytesIO(bytes(blob)), len(blob))
     return blob, h.payload_start
 
 
 @pytest.mark.parametrize("damage,error", [
-    (lambda b, p: b.__setitem__(p, 9), "version 9"),                         # version
-    (lambda b, p: b.__setitem__(p + 1, 4), "4-byte elements"),                # itemsize
-    (lambda b, p: b.__setitem__(p + 2, 7), "unknown mode 7"),                 # plane mode
-    (lambda b, p: b.__setitem__(slice(p + 3, p + 11), (10 ** 9).to_bytes(8, "little")), "runs past"),
-    (lambda b, p: b.__setitem__(slice(p + 3, p + 11), (5).to_bytes(8, "little")), ""),  # planes no longer tile
+    (lambda b, p: b.__setitem__(p, 9), "version 9"),
+    (lambda b, p: b.__setitem__(p + 1, 4), "4-byte elements"),
+    (lambda b, p: b.__setitem__(p + 2, 5), "unknown transform 5"),
+    (lambda b, p: b.__setitem__(p + 3, 7), "7 chunks"),
+    (lambda b, p: b.__setitem__(p + HEAD, 7), "unknown mode 7"),
+    (lambda b, p: b.__setitem__(slice(p + HEAD + 1, p + HEAD + 9), (10 ** 9).to_bytes(8, "little")), "runs past"),
+    (lambda b, p: b.__setitem__(slice(p + HEAD + 1, p + HEAD + 9), (5).to_bytes(8, "little")), "chunks end at"),
+    (lambda b, p: b.__setitem__(slice(p + 4, p + 12), (7).to_bytes(8, "little")), "rows do not divide"),
 ])
 def test_bytegroup_malformed_tables_are_clear_errors(damage, error):
     blob, p = _bg_file(llm_like_bf16(64, 64))
@@ -182,16 +205,14 @@ def test_bytegroup_malformed_tables_are_clear_errors(damage, error):
         fmt.read_tensor_bytes(f, h, "x")
 
 
-def test_bytegroup_plane_frame_declaring_another_size_is_refused():
-    import struct
-
+def test_bytegroup_chunk_frame_declaring_another_size_is_refused():
     import zstandard
 
     t = llm_like_bf16(64, 64)
     count = t.numel()
     bomb = zstandard.ZstdCompressor().compress(bytes(count * 1000))  # declares 1000x the plane
-    lo = bytes(count)
-    payload = struct.pack("<BB", 1, 2) + struct.pack("<BQ", 0, count) + struct.pack("<BQ", 1, len(bomb)) + lo + bomb
+    payload = (struct.pack("<BBBBQ", 1, 2, 0, 2, 64) + struct.pack("<BQ", 0, count) + struct.pack("<BQ", 1, len(bomb))
+               + bytes(count) + bomb)
     header = {"__format__": {"version": 1}, "x": {"dtype": "bfloat16", "shape": [64, 64], "codec": "bytegroup",
                                                   "offsets": [0, len(payload)], "nbytes": count * 2, "crc32": 0}}
     blob = _with_header(header, payload)
@@ -209,14 +230,14 @@ def test_bytegroup_is_refused_for_integers_in_a_header():
         fmt.read_header(io.BytesIO(blob), len(blob))
 
 
-@pytest.mark.parametrize("codec", fmt.CODECS)
-def test_a_column_block_encodes_like_its_contiguous_copy(codec):
+@pytest.mark.parametrize("codec,level", [("raw", 1), ("zstd", 1), ("bytegroup", 1), ("bytegroup", 2)])
+def test_a_column_block_encodes_like_its_contiguous_copy(codec, level):
     """The writer hands one layer's block of SGLang's packed [T, K*H] aux as a strided view:
     the file must be byte-identical to the one of a contiguous copy."""
     packed = llm_like_bf16(64, 3 * 96)
     block = packed[:, 96:192]
     strided = fmt.RawTensor("hidden", "bfloat16", [64, 96], block.view(torch.uint8).numpy())
     assert not strided.data.flags.c_contiguous
-    assert encode([strided], codec) == encode([raw("hidden", block.contiguous())], codec)
-    _, out = decode(encode([strided], codec))
+    assert encode([strided], codec, level=level) == encode([raw("hidden", block.contiguous())], codec, level=level)
+    _, out = decode(encode([strided], codec, level=level))
     assert torch.equal(out["hidden"], block)
