@@ -46,15 +46,16 @@ def llm_like(t: int, h: int, gen: torch.Generator) -> torch.Tensor:
     return (x * scale).to(torch.bfloat16)
 
 
-def make_writer(root: str, threads: int, codec: str = "bytegroup") -> ShardWriter:
-    cfg = CaptureConfig(dump_dir=root, run_id="run-gpu", layers=[2, 30, 58], codec=codec,
-                        writer_threads=threads, max_inflight_bytes=4 << 30, fsync=False)
+def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 1,
+                inflight: int = 4 << 30) -> ShardWriter:
+    cfg = CaptureConfig(dump_dir=root, run_id="run-gpu", layers=[2, 30, 58], codec=codec, level=level,
+                        writer_threads=threads, max_inflight_bytes=inflight, fsync=False)
     w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H}, expected_rows=T)
     w.start()
     sizes = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model asks for at model init
     w.prewarm(sizes)
     deadline = time.time() + 30  # at model init there is ample time before the first request
-    while w.pinned_pool.pinned_bytes < (4 << 30) // sum(sizes) * sum(sizes) and time.time() < deadline:
+    while w.pinned_pool.pinned_bytes < inflight // sum(sizes) * sum(sizes) and time.time() < deadline:
         time.sleep(0.1)
     return w
 
@@ -126,7 +127,7 @@ def staged_bandwidth(steps: int = 6) -> dict:
     return {"staged_GBps": round(nbytes / best / 1e9, 1), "bytes_per_step": nbytes}
 
 
-def writer_threads(root: str, steps: int, threads_list) -> list:
+def writer_threads(root: str, steps: int, threads_list, level: int = 1) -> list:
     """Sustained raw GB/s the writer turns into bytegroup files on tmpfs, by thread count."""
     gen = torch.Generator(device="cuda").manual_seed(3)
     t = step_tensors(gen)
@@ -134,14 +135,16 @@ def writer_threads(root: str, steps: int, threads_list) -> list:
     out = []
     for n in threads_list:
         d = os.path.join(root, f"w{n}")
-        w = make_writer(d, threads=n)
+        # a thread writes one step at a time: let the budget hold a step per thread and more
+        w = make_writer(d, threads=n, level=level, inflight=max(4 << 30, 2 * n * nbytes))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for i in range(steps):
+        n_steps = max(steps, 4 * n)  # a thread writes whole steps: give every thread several
+        for i in range(n_steps):
             w.submit(meta(i), t, aux_layers=[2, 30, 58])
         assert w.close()
         wall = time.perf_counter() - t0
-        out.append({"threads": n, "raw_GBps": round(steps * nbytes / wall / 1e9, 2),
+        out.append({"level": level, "threads": n, "steps": n_steps, "inflight_GB": round(w.cfg.max_inflight_bytes / 1e9, 1), "raw_GBps": round(n_steps * nbytes / wall / 1e9, 2),
                     "ratio": round(w.stats["raw_bytes"] / w.stats["file_bytes"], 3)})
         shutil.rmtree(d, ignore_errors=True)
     return out
@@ -282,7 +285,8 @@ def main() -> None:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else root
         tdir = tempfile.mkdtemp(prefix="hscap-gpu-w-", dir=shm)
         try:
-            return writer_threads(tdir, a.steps, [1, 2, 4, 8, 12, 16])
+            return (writer_threads(tdir, a.steps, [1, 2, 4, 8, 12, 16], level=1)
+                    + writer_threads(tdir, a.steps, [1, 8, 16], level=2))
         finally:
             shutil.rmtree(tdir, ignore_errors=True)
 

@@ -176,6 +176,8 @@ def test_bytegroup_compresses_exponents_and_stores_mantissas_raw():
         # level 1: low byte (mantissa) raw, high byte (sign, exponent) zstd; level 2: the row
         # centres (raw), then sign+mantissa (raw) and the exponent (zstd)
         assert modes == ([0, 1] if level == 1 else [0, 0, 1])
+        if level == 2:  # per-token scales: the exponents were centred per row (512 centres)
+            assert struct.unpack_from("<BQ", payload, HEAD)[1] == t.shape[0]
         sizes[level] = len(blob)
     assert sizes[2] < sizes[1] < 0.9 * z and t.numel() * 2 / sizes[2] > 1.45
 
