@@ -109,7 +109,7 @@ def main() -> None:
                 shutil.rmtree(out)
         doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
                "dump": f"{a.steps} steps x {STEP} tokens, H={H}, layers {LAYERS} + final, bf16 with outlier "
-                       f"channels, {samples} whole samples of 64..4095 tokens, zstd 1; "
+                       f"channels, {samples} whole samples of 64..4095 tokens, bytegroup level 1; "
                        f"{dump_bytes / 1e9:.2f} GB on disk, written in {made:.1f}s",
                "results": results}
         with open(a.out, "w") as f:

@@ -62,7 +62,7 @@ def main() -> None:
             print(json.dumps(res), flush=True)
         doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
                "dump": f"{a.steps} steps x {STEP} tokens, H={H}, 3 layers + final, bf16 with outlier channels, "
-                       f"{samples} whole samples, zstd 1 (benchmarks/merge.py's synthetic_dump)",
+                       f"{samples} whole samples, bytegroup level 1 (benchmarks/merge.py's synthetic_dump)",
                "note": "peak_rss_MB: VmHWM of the verify process, reset at its start",
                "results": results}
         with open(a.out, "w") as f:

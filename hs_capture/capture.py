@@ -88,7 +88,7 @@ class ModelCapture:
     def forward(self, wrapped, model: Any, args: tuple, kwargs: dict):
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
-        capturing = self.writer is not None and mode in CAPTURED_MODES
+        capturing = self.writer is not None and not self.writer.stopped and mode in CAPTURED_MODES
         if capturing and _graph_capturing():
             # Under CUDA-graph capture this Python runs once, on placeholder inputs, and never
             # again on replay: take nothing (and add no layer to the graph), say so once.

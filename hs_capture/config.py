@@ -33,6 +33,7 @@ class CaptureConfig:
     fsync: bool = True
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
     prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
+    min_free_bytes: int = 1 << 30  # capture stops (serving goes on) below this much free space
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -116,7 +117,19 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
         prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
+        min_free_bytes=_min_free(env),
     )
+
+
+def _min_free(env: Mapping[str, str]) -> int:
+    text = env.get("HSCAP_MIN_FREE_GB", "1").strip() or "1"
+    try:
+        gb = float(text)
+        if not 0 <= gb < 1e6:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"HSCAP_MIN_FREE_GB={text!r}: expected a number of GB >= 0") from None
+    return int(gb * (1 << 30))
 
 
 def check_dump_dir(path: str) -> None:

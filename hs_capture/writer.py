@@ -10,6 +10,7 @@ so no loss is ever silent.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
@@ -107,6 +108,7 @@ class ShardWriter:
         self._closed = False
         self._next_step = 0
         self.failure: Optional[str] = None
+        self.stopped: Optional[Dict[str, Any]] = None  # set once, when capture stops for good
         # Fault injection for tests: a slow disk (seconds per step).
         self._test_delay = float(os.environ.get("HSCAP_TEST_WRITE_DELAY_MS", "0") or 0) / 1000.0
 
@@ -137,7 +139,10 @@ class ShardWriter:
             t.join(max(0.0, deadline - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
         self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
-        self._write_meta()
+        try:
+            self._write_meta()
+        except OSError as e:  # a full disk must not turn a clean shutdown into a crash
+            log.error("ERROR: rank %s: could not write the closing metadata: %s", self.rank.tag, e)
         self._stager.pool.trim()
         return done
 
@@ -149,7 +154,7 @@ class ShardWriter:
         `tensors["aux"]`, when present, is SGLang's packed [T, K*H] capture whose
         column blocks are `aux_layers` in order; it is split on the host, not the device.
         """
-        if self._closed:
+        if self._closed or self.stopped:
             return False
         step = self._next_step
         self._next_step += 1
@@ -176,14 +181,57 @@ class ShardWriter:
                 return
             step, meta, staged, aux_layers = job
             try:
+                if self.stopped:
+                    continue  # queued before the stop: released below, never written
+                low = self._low_space()
+                if low:
+                    self._stop(step, low)
+                    continue
                 self._write_step(step, meta, staged, aux_layers)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._stop(step, f"disk full: {e.strerror}")
+                else:
+                    self._failed(step, e)
             except Exception as e:  # a failed step is counted and logged, never fatal
-                self._count("steps_failed")
-                self.failure = f"{type(e).__name__}: {e}"
-                log.error("rank %s: step %d not written: %s", self.rank.tag, step, self.failure)
+                self._failed(step, e)
             finally:
                 self._stager.release(staged)
                 self._budget.release(staged.nbytes)
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self._count("steps_failed")
+        self.failure = f"{type(e).__name__}: {e}"
+        log.error("rank %s: step %d not written: %s", self.rank.tag, step, self.failure)
+
+    def _low_space(self) -> Optional[str]:
+        if self.cfg.min_free_bytes <= 0:
+            return None
+        try:
+            st = os.statvfs(self.run_dir)
+        except OSError:
+            return None
+        free = st.f_bavail * st.f_frsize
+        if free < self.cfg.min_free_bytes:
+            return (f"free space {free / 2**30:.2f} GB is below HSCAP_MIN_FREE_GB="
+                    f"{self.cfg.min_free_bytes / 2**30:g}")
+        return None
+
+    def _stop(self, step: int, reason: str) -> None:
+        """Stop capturing for good (the server keeps serving): recorded in the run metadata
+        (if it still fits on the disk) and said loudly, once."""
+        with self._stats_lock:
+            if self.stopped:
+                return
+            self.stopped = {"reason": reason, "step": step, "time": time.time()}
+        log.error("ERROR: rank %s: capture STOPPED at step %d: %s. The server keeps serving; "
+                  "prefills from now on are not captured (re-send them after freeing space)",
+                  self.rank.tag, step, reason)
+        self.run_meta["capture_stopped"] = self.stopped
+        try:
+            self._write_meta()
+        except OSError as e:
+            log.error("ERROR: rank %s: could not record the stop in the run metadata: %s", self.rank.tag, e)
 
     def _parts(self, staged: Staged, aux_layers: List[int]) -> Dict[str, torch.Tensor]:
         parts = {}
@@ -223,14 +271,22 @@ class ShardWriter:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             dirs.add(os.path.dirname(path))
             chunks = fmt.encode_file(tensors, {**common, "part": part}, self.cfg.codec, self.cfg.level)
-            size = atomic_write(path, chunks, self.cfg.fsync)
+            try:
+                size = atomic_write(path, chunks, self.cfg.fsync)
+            except BaseException:
+                _remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+                raise
             files[part] = {"path": rel, "bytes": size}
             raw_total += sum(x.data.nbytes for x in tensors)
             file_total += size
         if self.cfg.fsync:
             for d in dirs:
                 _fsync_dir(d)
-        self._append_index({**meta, "step": step, "files": files, "time": time.time()})
+        try:
+            self._append_index({**meta, "step": step, "files": files, "time": time.time()})
+        except BaseException:  # not indexed: not committed, so leave no files that look written
+            _remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+            raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
             self.stats["tokens_written"] += int(meta.get("num_tokens", 0))
@@ -263,6 +319,14 @@ class ShardWriter:
             body["last_failure"] = self.failure
         data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
         atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)
+
+
+def _remove_quietly(paths) -> None:
+    for p in paths:
+        try:
+            os.remove(p)
+        except OSError:
+            pass
 
 
 def _bytes_of(t: torch.Tensor):

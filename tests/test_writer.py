@@ -1,5 +1,5 @@
 """The shard writer on CPU tensors: back-pressure, counted drops, flush on close, atomicity.
-(Its CUDA path is measured on the H200: benchmarks/gpu_staging.py.)"""
+(Its CUDA path is measured on the H200: benchmarks/gpu_capture.py.)"""
 
 import errno
 import json
@@ -119,7 +119,7 @@ def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_pa
             with open(writer_mod.temp_name(path), "wb") as f:
                 f.write(b"partial")
             os.remove(writer_mod.temp_name(path))
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(errno.EIO, "Input/output error")
         return real(path, chunks, fsync)
 
     monkeypatch.setattr(writer_mod, "atomic_write", disk_full)
@@ -131,8 +131,46 @@ def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_pa
     assert [x["seqs"][0]["rid"] for x in index_lines(w)] == ["b"]  # no index line for the broken step
     leftovers = [n for _, _, names in os.walk(w.run_dir) for n in names if TEMP_MARK in n]
     assert not leftovers
+    # the broken step's first file, already in place, was removed: no file without an index line
+    files = {os.path.relpath(os.path.join(r, n), w.run_dir) for r, _, names in os.walk(w.run_dir) for n in names
+             if n.endswith(".hst")}
+    assert files == {f["path"] for x in index_lines(w) for f in x["files"].values()}
     meta = json.load(open(rank_meta_path(w.run_dir, w.rank)))
-    assert "No space left" in meta["last_failure"]
+    assert "Input/output error" in meta["last_failure"]
+
+
+def test_a_full_disk_stops_capture_for_good_and_says_so(tmp_path, monkeypatch):
+    real = writer_mod.atomic_write
+    calls = {"n": 0}
+
+    def disk_full(path, chunks, fsync):
+        calls["n"] += 1
+        if calls["n"] >= 5:  # step a's 4 files fit, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, chunks, fsync)
+
+    monkeypatch.setattr(writer_mod, "atomic_write", disk_full)
+    w = make_writer(tmp_path, writer_threads=1)
+    assert w.submit(*step("a", 8), aux_layers=[1, 2])
+    w.submit(*step("b", 8), aux_layers=[1, 2])
+    deadline = time.time() + 10
+    while not w.stopped and time.time() < deadline:
+        time.sleep(0.01)
+    assert w.stopped and "disk full" in w.stopped["reason"] and w.stopped["step"] == 1
+    assert not w.submit(*step("c", 8), aux_layers=[1, 2])  # nothing more is even staged
+    monkeypatch.setattr(writer_mod, "atomic_write", real)  # space comes back: the close still records
+    assert w.close()
+    assert [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
+    meta = json.load(open(rank_meta_path(w.run_dir, w.rank)))
+    assert meta["capture_stopped"]["step"] == 1 and "No space left" in meta["capture_stopped"]["reason"]
+
+
+def test_below_the_free_space_floor_capture_stops(tmp_path):
+    w = make_writer(tmp_path, writer_threads=1, min_free_bytes=1 << 60)  # more than any disk has
+    w.submit(*step("a", 8), aux_layers=[1, 2])
+    assert w.close()
+    assert w.stopped and "below HSCAP_MIN_FREE_GB" in w.stopped["reason"]
+    assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
 
 
 def test_atomic_write_removes_its_temp_file_on_error(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from .. import format as fmt
 from ..assemble import MixedRuns, plan
 from ..layout import TEMP_MARK, TENSOR_SUFFIX
 from ..reader import DumpError, Run, line_problem, open_runs
-from .report import WARNING, Report
+from .report import ERROR, WARNING, Report
 from .values import as_array, identical_pairs, value_problems
 
 Progress = Callable[[int, int], None]
@@ -96,6 +97,12 @@ def check_index(run: Run, report: Report) -> List[_Step]:
     index with the files on disk. Returns the steps that hold files."""
     steps: List[_Step] = []
     listed: Set[str] = set()
+    # A run that never closed (killed, or still running) leaves debris that is not damage:
+    # temp files, files whose index line was never appended, gaps where a later step was
+    # indexed first. Those are warnings; what they cost is judged per sample (coverage).
+    clean = all(m.get("status") == "closed" and not m.get("capture_stopped") for m in run.ranks.values())
+    debris = ERROR if clean else WARNING
+    why = "" if clean else " (the run did not close cleanly: debris of a crash or a full disk, or it is still running)"
     for tag, meta in sorted(run.ranks.items()):
         path = os.path.join(run.path, "index", tag + ".jsonl")
         ipath = _rel(run, path)
@@ -141,9 +148,15 @@ def check_index(run: Run, report: Report) -> List[_Step]:
             missing = sorted(set(range(max(seen) + 1)) - set(seen)) if seen else []
             if missing:
                 report.add("index", f"{len(missing)} step(s) have no index line: {_ranges(missing)} "
-                                    "(lost in a crash, or the line was removed)", path=ipath)
+                                    "(lost in a crash, or the line was removed)" + why, debris, ipath)
         report.looked("dropped")
         stats = meta.get("stats") or {}
+        stopped = meta.get("capture_stopped")
+        if isinstance(stopped, dict):
+            report.add("dropped", f"capture stopped at step {stopped.get('step')} "
+                                  f"({time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(stopped.get('time') or 0))} UTC): "
+                                  f"{stopped.get('reason')}; later prefills were not written",
+                       path=_rel(run, os.path.join(run.path, "ranks", tag + ".json")))
         if stats.get("steps_failed"):
             report.add("dropped", f"the writer failed {stats['steps_failed']} step(s): {meta.get('last_failure')}",
                        path=_rel(run, os.path.join(run.path, "ranks", tag + ".json")))
@@ -157,7 +170,7 @@ def check_index(run: Run, report: Report) -> List[_Step]:
                                 f"lists {written}", path=ipath)
     if run.ranks and not steps:
         report.add("runs", "the run captured nothing (no written step in any rank)", path=run.path)
-    missing = _check_files(run, listed, report)
+    missing = _check_files(run, listed, report, debris, why)
     for st in steps:
         if any(os.path.normpath(f["path"]) in missing for f in st.line["files"].values()):
             st.damaged = True
@@ -175,7 +188,7 @@ def _ranges(xs: List[int]) -> str:
     return ", ".join(out[:10]) + (" ..." if len(out) > 10 else "")
 
 
-def _check_files(run: Run, listed: Set[str], report: Report) -> Set[str]:
+def _check_files(run: Run, listed: Set[str], report: Report, debris: str = ERROR, why: str = "") -> Set[str]:
     """Compare the index with the disk; returns the listed paths that are missing."""
     on_disk: Set[str] = set()
     for root, dirs, names in os.walk(run.path):
@@ -184,7 +197,7 @@ def _check_files(run: Run, listed: Set[str], report: Report) -> Set[str]:
             full = os.path.join(root, name)
             rel = os.path.relpath(full, run.path)
             if TEMP_MARK in name:
-                report.add("files", "temp file left by an interrupted write", path=_rel(run, full))
+                report.add("files", "temp file left by an interrupted write" + why, debris, _rel(run, full))
             elif rel.startswith("data" + os.sep) and name.endswith(TENSOR_SUFFIX):
                 on_disk.add(os.path.normpath(rel))
     report.looked("files", len(listed | on_disk))
@@ -192,8 +205,8 @@ def _check_files(run: Run, listed: Set[str], report: Report) -> Set[str]:
         report.add("files", "missing: the index lists it, the disk does not have it",
                    path=_rel(run, os.path.join(run.path, rel)))
     for rel in sorted(on_disk - listed):
-        report.add("files", "extra: on disk but in no index line (its index line is missing?)",
-                   path=_rel(run, os.path.join(run.path, rel)))
+        report.add("files", "extra: on disk but in no index line (its index line is missing?)" + why, debris,
+                   _rel(run, os.path.join(run.path, rel)))
     return listed - on_disk
 
 
@@ -222,6 +235,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
     report = _Marking(report, step)
     n, hidden_size = line["num_tokens"], meta["hidden_size"]
     hidden: Dict[str, np.ndarray] = {}
+    crcs: Dict[str, int] = {}
     final: Dict[str, np.ndarray] = {}
     read = 0
     for part, f in sorted(line["files"].items()):
@@ -273,6 +287,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
         if "hidden" in arrays:
             a = arrays["hidden"]
             hidden[part] = a
+            crcs[part] = header.tensors["hidden"].crc32
             report.looked("nonfinite")
             report.looked("degenerate")
             for check, msg in value_problems(a, bf16["hidden"]):
@@ -280,7 +295,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
         if part == "final":
             final = arrays
     report.looked("identical")
-    for a, b in identical_pairs(hidden):
+    for a, b in identical_pairs(hidden, crcs):
         report.add("identical", f"parts {a} and {b} hold bit-identical states (the same layer written twice?)",
                    path=_rel(run, os.path.join(run.path, line["files"][b]["path"])))
     if "positions" in final and "input_ids" in final:

@@ -7,7 +7,7 @@ the signature of a capture bug (a buffer not filled, the same tensor written twi
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -28,25 +28,32 @@ def value_problems(a: np.ndarray, bf16_bits: bool = False) -> List[Tuple[str, st
         return out
     a2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
     if bf16_bits:
-        special = (a2 & 0x7F80) == 0x7F80  # exponent all ones: Inf or NaN
-        finite = ~special
-        nan_mask = special & ((a2 & 0x7F) != 0)
+        mag = a2 & 0x7FFF  # the bits without the sign: one pass serves every check below
+        special_any = int(mag.max()) >= 0x7F80  # exponent all ones: Inf or NaN
+        nonzero = mag != 0
     else:
-        finite = np.isfinite(a2)
-        nan_mask = np.isnan(a2)
-    if not finite.all():
-        bad = int((~finite).sum())
-        nan = int(nan_mask.sum())
-        row = int(np.argwhere(~finite)[0][0])
+        special_any = not np.isfinite(a2.max()) or not np.isfinite(a2.min())  # NaN/Inf propagate
+        nonzero = a2 != 0
+    if special_any:
+        if bf16_bits:
+            special = mag >= 0x7F80
+            nan = int((mag > 0x7F80).sum())
+        else:
+            special = ~np.isfinite(a2)
+            nan = int(np.isnan(a2).sum())
+        bad = int(special.sum())
+        row = int(np.argwhere(special)[0][0])
         out.append(("nonfinite", f"{nan} NaN and {bad - nan} Inf values (first in row {row})"))
-    zero_rows = ~((a2 & 0x7FFF) != 0).any(axis=1) if bf16_bits else ~a2.any(axis=1)
+    zero_rows = ~nonzero.any(axis=1)
     if zero_rows.all():
         out.append(("degenerate", "the tensor is all zeros"))
     else:
         if zero_rows.any():
             out.append(("degenerate", f"{int(zero_rows.sum())} of {a2.shape[0]} rows are all zeros "
                                       f"(first: row {int(np.argmax(zero_rows))})"))
-        if a2.size > 1 and finite.all() and (a2 == a2.flat[0]).all():
+        first = a2.flat[0]
+        # a full comparison only when the first row is constant: real states never get that far
+        if a2.size > 1 and not special_any and (a2[0] == first).all() and (a2 == first).all():
             out.append(("degenerate", "the tensor is constant"))
     return out
 
@@ -55,17 +62,20 @@ def digest(a: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(a).view(np.uint8).data, digest_size=16).hexdigest()
 
 
-def identical_pairs(named: Dict[str, np.ndarray]) -> List[Tuple[str, str]]:
-    """Pairs of names whose tensors are bit-identical (empty tensors ignored)."""
-    seen: Dict[str, str] = {}
+def identical_pairs(named: Dict[str, np.ndarray], keys: Optional[Dict[str, object]] = None) -> List[Tuple[str, str]]:
+    """Pairs of names whose tensors are bit-identical (empty tensors ignored). `keys`: a cheap
+    fingerprint per name (e.g. the header's crc32): only equal fingerprints are compared."""
+    seen: Dict[object, List[str]] = {}
     pairs = []
     for name in sorted(named):
         a = named[name]
         if a.size == 0:
             continue
-        d = digest(a)
-        if d in seen:
-            pairs.append((seen[d], name))
+        key = (a.shape, keys[name]) if keys is not None else digest(a)
+        for other in seen.get(key, []):
+            if keys is None or np.array_equal(named[other], a):
+                pairs.append((other, name))
+                break
         else:
-            seen[d] = name
+            seen.setdefault(key, []).append(name)
     return pairs
