@@ -11,6 +11,9 @@ import threading
 
 CODECS = ("raw", "zstd", "bytegroup")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+# A zstd block decodes to at most 128 KiB and takes at least 4 bytes (an RLE block): no
+# frame expands more than this, so a larger declared size is a lie, refused before allocating.
+_ZSTD_MAX_RATIO = (128 << 10) // 4
 
 
 class FormatError(ValueError):
@@ -69,10 +72,14 @@ def _zstd_decode(data, nbytes: int) -> bytes:
         raise CodecError(f"bad zstd frame: {e}") from None
     if declared != nbytes:  # a frame must declare its size and it must be the header's
         raise SizeMismatch(f"zstd frame declares {declared} bytes, header says {nbytes}")
+    if nbytes > (len(data) + 1) * _ZSTD_MAX_RATIO:  # no real frame expands further: refuse
+        raise SizeMismatch(f"a {len(data)}-byte zstd frame cannot hold the {nbytes} bytes it declares")
     try:
         out = _decompressor().decompress(data, max_output_size=nbytes)
     except zstandard.ZstdError as e:
         raise CodecError(f"zstd decode failed: {e}") from None
+    except MemoryError:
+        raise SizeMismatch(f"zstd frame declares {nbytes} bytes: more than this machine can allocate") from None
     if len(out) != nbytes:
         raise SizeMismatch(f"zstd frame decoded to {len(out)} bytes, header says {nbytes}")
     return out

@@ -27,6 +27,7 @@ from .codec import CODECS, CodecError, FormatError, SizeMismatch  # noqa: F401 (
 MAGIC = b"HSCAPT\x00\x01"
 FORMAT_VERSION = 1
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: shapes beyond it are corrupt, whatever they claim
 _PREFIX = len(MAGIC) + 8
 
 # name -> bytes per element. bfloat16 has no numpy dtype: readers view it through torch.
@@ -250,6 +251,8 @@ def _entry(name: str, info) -> TensorEntry:
         raise TensorInvalidInfo(f"{name}: shape is not a list")
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (begin, end, nbytes, crc)):
         raise TensorInvalidInfo(f"{name}: offsets, nbytes and crc32 must be non-negative integers")
+    if nbytes > MAX_TENSOR_BYTES:
+        raise TensorInvalidInfo(f"{name}: {nbytes} bytes is beyond any tensor ({MAX_TENSOR_BYTES} max)")
     if _checked_nbytes(name, dtype, shape) != nbytes:
         raise TensorInvalidInfo(f"{name}: nbytes {nbytes} disagrees with shape {shape} of {dtype}")
     return TensorEntry(name, dtype, tuple(shape), codec, begin, end, nbytes, crc)

@@ -21,12 +21,13 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import format as fmt
-from .config import CaptureConfig
+from .config import CaptureConfig, ConfigError
 from .layout import RankId, index_path, rank_meta_path, step_file, temp_name
 from .log import get_logger
 from .staging import Staged, Stager
 
 log = get_logger()
+_RESERVE_BYTES = 256 << 10
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                       torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
 
@@ -120,6 +121,21 @@ class ShardWriter:
     def start(self) -> None:
         for sub in ("ranks", "index", os.path.join("data", self.rank.tag)):
             os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
+        # Claim this rank of this run: a second server given the same HSCAP_RUN_ID must not
+        # write over the first one's files (O_EXCL: exactly one process wins).
+        claim = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.claimed")
+        try:
+            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            raise ConfigError(f"run {self.cfg.run_id!r} rank {self.rank.tag} already exists in {self.cfg.dump_dir}: "
+                              "another server wrote (or writes) it; unset HSCAP_RUN_ID or choose a new one") from None
+        # Space kept back so the run metadata can still record a full disk (freed at the stop).
+        self._reserve = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.reserve")
+        try:
+            with open(self._reserve, "wb") as f:
+                f.write(bytes(_RESERVE_BYTES))
+        except OSError:
+            self._reserve = None
         self.run_meta.update(status="running", started=time.time())
         self._write_meta()
         for i in range(self.cfg.writer_threads):
@@ -139,6 +155,7 @@ class ShardWriter:
             t.join(max(0.0, deadline - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
         self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
+        self._free_reserve()
         try:
             self._write_meta()
         except OSError as e:  # a full disk must not turn a clean shutdown into a crash
@@ -199,6 +216,11 @@ class ShardWriter:
                 self._stager.release(staged)
                 self._budget.release(staged.nbytes)
 
+    def _free_reserve(self) -> None:
+        if getattr(self, "_reserve", None):
+            _remove_quietly([self._reserve])
+            self._reserve = None
+
     def _failed(self, step: int, e: BaseException) -> None:
         self._count("steps_failed")
         self.failure = f"{type(e).__name__}: {e}"
@@ -228,6 +250,7 @@ class ShardWriter:
                   "prefills from now on are not captured (re-send them after freeing space)",
                   self.rank.tag, step, reason)
         self.run_meta["capture_stopped"] = self.stopped
+        self._free_reserve()
         try:
             self._write_meta()
         except OSError as e:

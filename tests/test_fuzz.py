@@ -1,0 +1,208 @@
+"""Every reader of untrusted bytes, fuzzed with hypothesis: .hst headers and payloads (raw,
+zstd, bytegroup at both transforms), index lines, run metadata, the safetensors reader of
+verify. Malformed input gives the reader's own clear error: never another exception, a hang
+or a huge allocation, and nothing read from a dump is ever unpickled."""
+
+import io
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hs_capture import format as fmt
+from hs_capture.cli import main
+from hs_capture.config import CaptureConfig
+from hs_capture.layout import RankId
+from hs_capture.reader import DumpError, line_problem, open_runs, stitch
+from hs_capture.verify.merged import load_safetensors
+from hs_capture.writer import ShardWriter
+
+FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+
+
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 40, generator=g)
+    x *= torch.rand(24, 1, generator=g) + 0.5
+    return [fmt.RawTensor("a", "bfloat16", [24, 40], memoryview(x.to(torch.bfloat16).view(torch.uint8).numpy())),
+            fmt.RawTensor("b", "float32", [24, 40], memoryview(x.view(torch.uint8).numpy())),
+            fmt.RawTensor("ids", "int64", [24], memoryview(torch.arange(24).view(torch.uint8).numpy()))]
+
+
+SEEDS = {(codec, level): b"".join(bytes(c) for c in fmt.encode_file(tensors(), {"k": "v"}, codec, level))
+         for codec, level in (("raw", 1), ("zstd", 1), ("bytegroup", 1), ("bytegroup", 2))}
+
+
+def read_all(blob: bytes) -> None:
+    """What every reader does: the header, then each tensor (decoded and checksummed)."""
+    f = io.BytesIO(blob)
+    h = fmt.read_header(f, len(blob))
+    for name in h.tensors:
+        fmt.read_tensor_bytes(f, h, name)
+
+
+mutation = st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=8)
+
+
+@FUZZ
+@given(seed=st.sampled_from(sorted(SEEDS)), edits=mutation, cut=st.none() | st.integers(0, 1 << 20))
+def test_mutated_tensor_files_fail_only_with_format_errors(seed, edits, cut):
+    blob = bytearray(SEEDS[seed])
+    for at, value in edits:
+        blob[at % len(blob)] = value
+    if cut is not None:
+        del blob[cut % len(blob):]
+    try:
+        read_all(bytes(blob))
+    except fmt.FormatError:
+        pass
+
+
+@FUZZ
+@given(st.binary(max_size=4096))
+def test_random_bytes_are_never_a_tensor_file(data):
+    with pytest.raises(fmt.FormatError):
+        read_all(fmt.MAGIC + data if data[:1] == b"\x00" else data)
+
+
+@FUZZ
+@given(nbytes=st.integers(0, 1 << 62), shape=st.lists(st.integers(0, 1 << 40), max_size=4),
+       codec=st.sampled_from(fmt.CODECS), dtype=st.sampled_from(sorted(fmt.ITEMSIZE)))
+def test_headers_claiming_huge_tensors_are_refused_without_allocating(nbytes, shape, codec, dtype):
+    import zstandard
+
+    frame = zstandard.ZstdCompressor().compress(b"\0" * 64)  # 64 bytes, whatever the header says
+    header = {"__format__": {"version": 1},
+              "x": {"dtype": dtype, "shape": shape, "codec": codec, "offsets": [0, len(frame)], "nbytes": nbytes,
+                    "crc32": 0}}
+    body = json.dumps(header).encode()
+    body += b" " * (-len(body) % 8)
+    blob = fmt.MAGIC + len(body).to_bytes(8, "little") + body + frame
+    try:
+        read_all(blob)
+    except fmt.FormatError:
+        pass
+
+
+def test_a_frame_declaring_far_more_than_it_can_hold_is_refused():
+    import zstandard
+
+    n = 1 << 36  # 64 GiB declared by a few bytes
+    frame = bytearray(zstandard.ZstdCompressor(write_content_size=True).compress(b"\0" * 8))
+    with pytest.raises(fmt.SizeMismatch):
+        fmt.decode_payload(bytes(frame), "zstd", n)
+    big = {"__format__": {"version": 1}, "x": {"dtype": "uint8", "shape": [n], "codec": "zstd",
+                                               "offsets": [0, len(frame)], "nbytes": n, "crc32": 0}}
+    body = json.dumps(big).encode()
+    body += b" " * (-len(body) % 8)
+    with pytest.raises(fmt.SizeMismatch):
+        read_all(fmt.MAGIC + len(body).to_bytes(8, "little") + body + bytes(frame))
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+                           max_leaves=20)
+index_like = st.fixed_dictionaries({"step": st.integers(-2, 5) | st.text(max_size=3)}, optional={
+    "files": st.dictionaries(st.text(max_size=4), st.fixed_dictionaries({"path": st.text(max_size=20) | st.integers()}),
+                             max_size=3) | json_values,
+    "seqs": st.lists(st.dictionaries(st.sampled_from(["rid", "len", "prefix", "offset"]), json_values), max_size=3),
+    "num_tokens": json_values, "dropped": json_values})
+
+
+@FUZZ
+@given(st.one_of(json_values, index_like))
+def test_index_lines_are_judged_never_crash(line):
+    problem = line_problem(line)
+    assert problem is None or isinstance(problem, str)
+    if problem is None and "files" in line:  # accepted lines keep their paths inside the run
+        assert all(not os.path.isabs(f["path"]) and not os.path.normpath(f["path"]).startswith("..")
+                   for f in line["files"].values())
+
+
+@pytest.fixture(scope="module")
+def small_dump(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("fuzzdump"))
+    cfg = CaptureConfig(dump_dir=root, run_id="run-fuzz", layers=[1, 2], fsync=False, min_free_bytes=0)
+    w = ShardWriter(cfg, RankId(), {"layers": [1, 2], "hidden_size": 16, "num_layers": 4, "run_id": "run-fuzz"})
+    w.start()
+    for i in range(3):
+        t = {"final": torch.randn(5, 16), "aux": torch.randn(5, 32), "tokens": torch.arange(5),
+             "positions": torch.arange(5)}
+        w.submit({"mode": "EXTEND", "num_tokens": 5, "seqs": [{"rid": f"r{i}", "len": 5, "prefix": 0, "offset": 0}]},
+                 t, aux_layers=[1, 2])
+    assert w.close()
+    return root
+
+
+def _damage(dump: str, tmp, which: str, data: bytes) -> str:
+    import shutil
+
+    d = os.path.join(str(tmp), "d")
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.copytree(dump, d)
+    run = os.path.join(d, "run-fuzz")
+    target = {"index": os.path.join(run, "index", "dp0-tp0-pp0.jsonl"),
+              "meta": os.path.join(run, "ranks", "dp0-tp0-pp0.json")}[which]
+    with open(target, "ab" if which == "index" else "wb") as f:
+        f.write(data)
+    return d
+
+
+@settings(max_examples=40, deadline=10000, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(which=st.sampled_from(["index", "meta"]), data=st.binary(max_size=300) | st.text(max_size=200).map(str.encode))
+def test_verify_and_merge_on_damaged_metadata_exit_cleanly(small_dump, tmp_path, which, data):
+    d = _damage(small_dump, tmp_path, which, data)
+    res = CliRunner().invoke(main, ["verify", "--json", d])
+    assert res.exit_code in (0, 1) and res.exception is None or isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(main, ["merge", d, "-o", os.path.join(str(tmp_path), "o"), "--format", "hscap"])
+    assert res.exit_code in (0, 1) and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
+
+
+@FUZZ
+@given(edits=mutation, cut=st.none() | st.integers(0, 4096))
+def test_safetensors_reader_fails_only_with_format_errors(tmp_path_factory, edits, cut):
+    from hs_capture.formats import save_safetensors
+
+    base = tmp_path_factory.getbasetemp()
+    path = os.path.join(str(base), "st.safetensors")
+    if not os.path.exists(path):
+        save_safetensors({"hidden_states": torch.randn(3, 4, 8).to(torch.bfloat16), "token_ids": torch.arange(3)},
+                         path, {"rid": "x"})
+    blob = bytearray(open(path, "rb").read())
+    for at, value in edits:
+        blob[at % len(blob)] = value
+    if cut is not None:
+        del blob[cut % len(blob):]
+    bad = path + ".bad"
+    with open(bad, "wb") as f:
+        f.write(blob)
+    try:
+        load_safetensors(bad)
+    except (fmt.FormatError, ValueError):
+        pass
+
+
+def test_reading_a_dump_never_unpickles(small_dump, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("something read from a dump was unpickled")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    (run,) = open_runs(small_dump)
+    samples = stitch(run)
+    assert sorted(samples) == ["r0", "r1", "r2"] and all(np.isfinite(s.final).all() for s in samples.values())
+    res = CliRunner().invoke(main, ["verify", "--json", small_dump])
+    assert res.exit_code == 0, res.output
+    try:
+        open_runs(os.path.join(small_dump, "nope"))
+    except (DumpError, OSError):
+        pass
