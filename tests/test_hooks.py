@@ -100,6 +100,7 @@ class _Writer:
     """Records what would be written (the real writer is tested in test_writer.py)."""
 
     rank = types.SimpleNamespace(tag="dp0-tp0-pp0")
+    stopped = None  # ShardWriter.stopped: set when a full disk stops capture
 
     def __init__(self):
         self.steps = []
@@ -139,6 +140,14 @@ def test_plain_server_gets_a_bare_aux_none_and_we_get_our_layers():
 def test_decode_steps_capture_nothing_and_cost_no_aux():
     state, model, parent, writer = _capture()
     out = state.forward(_sglang_like_forward(model), model, (None, None, _batch("DECODE")), {})
+    assert model.layers_to_capture == [] and out[1] is None and not writer.steps
+
+
+def test_after_a_stop_prefills_run_bare_and_capture_nothing():
+    """A full disk stopped the writer: the forward goes back to the host's own layers."""
+    state, model, parent, writer = _capture()
+    writer.stopped = {"reason": "disk full", "step": 0, "time": 0.0}
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch("EXTEND")), {})
     assert model.layers_to_capture == [] and out[1] is None and not writer.steps
 
 

@@ -18,3 +18,28 @@ def register():
         return _dispatch_mla_subtype(attn, forward_batch)
 
     AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
+    _gloo_model_parallel_groups()
+
+
+def _gloo_model_parallel_groups():
+    """--tp N on a CPU: SGLang's base platform (no CUDA, no SGLANG_USE_CPU_ENGINE) makes every
+    model-parallel group build a PyNccl communicator, which needs CUDA. A group built with
+    use_pynccl=False all-reduces CPU tensors through torch.distributed (gloo). Only the
+    caller's *default* changes: an explicit choice is passed through."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.distributed import parallel_state as ps
+
+    real = ps.init_model_parallel_group
+    if getattr(real, "_hscap_gloo", False):
+        return
+
+    def init_model_parallel_group(*args, **kwargs):
+        if kwargs.get("use_pynccl") is None and len(args) < 4:  # (group_ranks, local_rank, backend, ...)
+            kwargs["use_pynccl"] = False
+        return real(*args, **kwargs)
+
+    init_model_parallel_group._hscap_gloo = True
+    ps.init_model_parallel_group = init_model_parallel_group
