@@ -19,6 +19,34 @@ def register():
 
     AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
     _gloo_model_parallel_groups()
+    _dp_attention_padding_on_cpu()
+
+
+def _dp_attention_padding_on_cpu():
+    """--enable-dp-attention pads every DP group's batch to a common size. The padding code
+    tells CPU from GPU by sglang's is_cpu(), which is true only with SGLANG_USE_CPU_ENGINE
+    (which these tests cannot set: see ../README.md); without it, it pins memory and asks
+    the attention backend for its CUDA-graph fill value. On a machine without CUDA, tell it
+    the truth."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang.srt.model_executor import forward_batch_info
+
+    forward_batch_info._is_cpu = True
+    from sglang.srt.layers import dp_attention
+
+    dp_attention._is_cpu = True
+    dp_attention.memcpy_func = dp_attention.memcpy_cpu  # not the triton kernel
+    from sglang.srt.distributed import parallel_state
+
+    parallel_state._is_cpu = True  # all-gather / reduce-scatter through torch.distributed
+    # ...which asks the backend for the sequence length of padding rows; torch_native never
+    # says (it has no graphs). 1, as SGLang's CPU backend answers.
+    if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
+        TorchNativeAttnBackend.get_cpu_graph_seq_len_fill_value = lambda self: 1
 
 
 def _gloo_model_parallel_groups():
