@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
+from .doctor_cmd import doctor
 from .ls_cmd import ls
 from .merge_cmd import merge_cmd
 from .send_cmd import send
@@ -18,7 +19,7 @@ def main() -> None:
     """Capture SGLang hidden states for EAGLE-3 drafter training."""
 
 
-for command in (pythonpath, serve, send, ls):
+for command in (pythonpath, serve, send, ls, doctor):
     main.add_command(command)
 main.add_command(merge_cmd, name="merge")
 main.add_command(verify_cmd, name="verify")

@@ -1,0 +1,202 @@
+"""`hscap doctor`: run in the server's environment, before the server, to see what the hook
+will find and do. Server-side (it imports sglang, lazily); the CLI calls it.
+
+Each finding has a status: ok, info (what the hook will do), warn (capture will be thinner
+than it could be), block (the server would refuse to start, or capture nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import config as config_mod
+from .package import _instruments
+from .targets import TARGETS
+
+OK, INFO, WARN, BLOCK = "ok", "info", "warn", "block"
+HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
+# Classes that reach a target by inheritance or by holding one (DESIGN.md section 3).
+RELATED = (("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+           ("sglang.srt.models.deepseek_v2", "DeepseekV32ForCausalLM"),
+           ("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration"))
+
+
+@dataclass
+class Finding:
+    topic: str
+    status: str
+    detail: str
+    action: str = ""
+
+
+def _version_tuple(text: str) -> tuple:
+    out = []
+    for part in text.split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def check_sglang() -> List[Finding]:
+    try:
+        import sglang  # noqa: F401
+    except Exception as e:
+        return [Finding("sglang", BLOCK, f"sglang does not import here: {type(e).__name__}: {e}",
+                        "run doctor with the server's python")]
+    from .sglang_compat import sglang_version
+
+    version = sglang_version()
+    floor = _instruments[0].split(">=")[1].strip()
+    if _version_tuple(version) < _version_tuple(floor):
+        forced = os.environ.get("HSCAP_FORCE") in ("1", "true", "yes")
+        return [Finding("sglang", WARN if forced else BLOCK, f"sglang {version} is older than {floor}",
+                        "" if forced else "upgrade sglang, or set HSCAP_FORCE=1 at your own risk")]
+    return [Finding("sglang", OK, f"sglang {version} (supported: {_instruments[0]})")]
+
+
+def check_targets() -> List[Finding]:
+    out = []
+    for t in TARGETS:
+        try:
+            mod = importlib.import_module(t.module)
+        except Exception as e:
+            out.append(Finding(f"target {t.module}", BLOCK, f"cannot import: {type(e).__name__}: {e}"))
+            continue
+        lm, model = getattr(mod, t.causal_lm, None), getattr(mod, t.model, None)
+        problems = []
+        if lm is None or "__init__" not in vars(lm):
+            problems.append(f"{t.causal_lm}.__init__ not found")
+        if model is None or "forward" not in vars(model):
+            problems.append(f"{t.model}.forward not found")
+        elif "forward_batch" not in inspect.signature(model.forward).parameters:
+            problems.append(f"{t.model}.forward takes no forward_batch")
+        if lm is not None and not hasattr(lm, "set_eagle3_layers_to_capture"):
+            problems.append(f"{t.causal_lm} has no set_eagle3_layers_to_capture (SGLang's capture is missing)")
+        if problems:
+            out.append(Finding(f"target {t.causal_lm}", BLOCK, "; ".join(problems)))
+        else:
+            out.append(Finding(f"target {t.causal_lm}", OK,
+                               f"{t.causal_lm}.__init__ and {t.model}.forward can be wrapped"))
+    for module, name in RELATED:
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except Exception:
+            cls = None
+        out.append(Finding(f"covered {name}", OK if cls is not None else INFO,
+                           "present: captured through the target" if cls is not None else "not in this release"))
+    return out
+
+
+def check_sitecustomize(path: Optional[Sequence[str]] = None) -> List[Finding]:
+    """Is the hook first on the path, and which sitecustomize does it shadow (and chain to)?"""
+    path = list(sys.path if path is None else path)
+    found = [p for p in path if os.path.isfile(os.path.join(p or ".", "sitecustomize.py"))]
+    ours = [p for p in found if os.path.realpath(os.path.join(p or ".", "sitecustomize.py"))
+            == os.path.realpath(os.path.join(HOOK_DIR, "sitecustomize.py"))]
+    pypath = os.environ.get("PYTHONPATH", "")
+    if not ours:
+        on_pp = any(os.path.realpath(p) == os.path.realpath(HOOK_DIR) for p in pypath.split(os.pathsep) if p)
+        return [Finding("sitecustomize", BLOCK if not on_pp else WARN,
+                        "the hook is not on this python's path: the server would start without capture",
+                        f"export PYTHONPATH={HOOK_DIR}{os.pathsep}$PYTHONPATH (or run hscap serve)")]
+    first = found[0]
+    if first != ours[0]:
+        return [Finding("sitecustomize", BLOCK, f"{os.path.join(first, 'sitecustomize.py')} comes first and "
+                        "shadows the hook: Python imports only the first one",
+                        f"put {HOOK_DIR} first on PYTHONPATH")]
+    shadowed = [p for p in found[1:] if p not in ours]
+    if shadowed:
+        return [Finding("sitecustomize", OK, f"the hook comes first and chains to the one it shadows: "
+                                             f"{os.path.join(shadowed[0], 'sitecustomize.py')}")]
+    return [Finding("sitecustomize", OK, "the hook comes first; no other sitecustomize to chain to")]
+
+
+def check_settings(env: Optional[Dict[str, str]] = None) -> List[Finding]:
+    env = dict(os.environ if env is None else env)
+    if not config_mod.dump_dir_from_env(env):
+        return [Finding("settings", BLOCK, "HSCAP_DIR is not set: the hook stays inert",
+                        "export HSCAP_DIR=/path/to/dumps")]
+    env.setdefault("HSCAP_RUN_ID", "doctor")
+    try:
+        cfg = config_mod.load(env)
+        config_mod.check_dump_dir(cfg.dump_dir)
+    except config_mod.ConfigError as e:
+        return [Finding("settings", BLOCK, str(e))]
+    return [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
+                                    f"codec {cfg.codec} level {cfg.level}; {cfg.writer_threads} writer threads")]
+
+
+def parse_server_flags(argv: Sequence[str]) -> Any:
+    """The flags as sglang's own parser reads them (defaults included, no hardware probing)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    ns, _ = parser.parse_known_args(list(argv))
+    return ns
+
+
+def check_flags(argv: Sequence[str]) -> List[Finding]:
+    from .sglang_compat import _arg, prefill_graph_state
+
+    try:
+        ns = parse_server_flags(argv)
+    except SystemExit:
+        return [Finding("flags", WARN, "sglang's parser rejected the flags given after --")]
+    except Exception as e:
+        return [Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
+    out = []
+    graph = prefill_graph_state(ns)
+    device = str(_arg(ns, "device") or "cuda")
+    if graph:
+        out.append(Finding("prefill CUDA graphs", BLOCK, f"on ({graph}): the hook refuses to start, since captures "
+                           "would silently vanish", "add --disable-cuda-graph (hscap serve does)"))
+    elif device in ("cuda", "gpu") and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")):
+        out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ may turn breakable prefill "
+                           "graphs on for DeepSeek on Hopper, and the hook would then refuse to start",
+                           "add --disable-prefill-cuda-graph or --disable-cuda-graph (hscap serve does)"))
+    else:
+        out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
+    if not _arg(ns, "disable_radix_cache"):
+        out.append(Finding("radix cache", WARN, "on: a prefix hit is never recomputed, so that sample's capture "
+                           "starts past 0 and it is reported incomplete", "add --disable-radix-cache (hscap serve does)"))
+    else:
+        out.append(Finding("radix cache", OK, "off"))
+    if _arg(ns, "enable_two_batch_overlap"):
+        out.append(Finding("two-batch overlap", WARN, "on: SGLang skips captures for layers >= first_k_dense_replace",
+                           "drop --enable-two-batch-overlap while extracting"))
+    pp = int(_arg(ns, "pp_size") or 1)
+    if pp > 1:
+        out.append(Finding("pipeline parallel", INFO, f"pp {pp}: only the last stage holds the captures and writes"))
+    if _arg(ns, "enable_dp_attention"):
+        out.append(Finding("dp attention", INFO, f"dp {_arg(ns, 'dp_size')}: one writer per DP group "
+                           "(its attention-TP rank 0); files named dp<d>-tp<t>-pp<p>"))
+    elif int(_arg(ns, "tp_size") or 1) > 1:
+        out.append(Finding("tensor parallel", INFO, f"tp {_arg(ns, 'tp_size')}: TP rank 0 writes; the others only "
+                           "compute (SGLang's capture is taken after the all-reduce)"))
+    if _arg(ns, "speculative_algorithm"):
+        out.append(Finding("speculative decoding", INFO, f"{_arg(ns, 'speculative_algorithm')}: SGLang's own "
+                           "capture keeps exactly its layers; draft passes are not captured"))
+    if _arg(ns, "enable_mixed_chunk"):
+        out.append(Finding("mixed chunk", INFO, "MIXED batches also carry one decode token per running request; "
+                           "send max_new_tokens=1 (hscap send does)"))
+    return out
+
+
+def diagnose(server_argv: Sequence[str] = ()) -> List[Finding]:
+    findings = check_sglang()
+    if findings[0].status == BLOCK and "does not import" in findings[0].detail:
+        return findings + check_sitecustomize() + check_settings()
+    findings += check_targets() + check_sitecustomize() + check_settings()
+    if server_argv:
+        findings += check_flags(server_argv)
+    return findings
+
+
+def as_dicts(findings: List[Finding]) -> List[Dict[str, str]]:
+    return [asdict(f) for f in findings]

@@ -1,0 +1,73 @@
+"""`hscap doctor` in a real environment (sglang 0.5.23 installed, no server started): what
+it finds, what it warns about, and when it says the server must not be started."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.sglang_cpu.harness import REPO
+
+HOOK = os.path.join(REPO, "hs_capture", "sitecustomize")
+
+
+def doctor(tmp_path, *flags, pythonpath=None, dump=True):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_"))}
+    env["PYTHONPATH"] = os.pathsep.join(pythonpath if pythonpath is not None else [HOOK])
+    env["TORCHDYNAMO_DISABLE"] = "1"
+    if dump:
+        env["HSCAP_DIR"] = str(tmp_path / "dump")
+    cmd = [sys.executable, "-m", "hs_capture.cli", "doctor", "--json"] + (["--", *flags] if flags else [])
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    return out.returncode, {f["topic"]: f for f in doc["findings"]}
+
+
+@pytest.fixture
+def other_sitecustomize(tmp_path):
+    d = tmp_path / "site"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE_RAN'] = '1'\n")
+    return str(d)
+
+
+def test_a_ready_environment_and_what_the_flags_mean(tmp_path, other_sitecustomize):
+    code, f = doctor(tmp_path, "--model-path", "m", "--tp", "2", "--disable-radix-cache", "--disable-cuda-graph",
+                     pythonpath=[HOOK, other_sitecustomize])
+    assert code == 0
+    assert f["sglang"]["status"] == "ok" and "0.5.23" in f["sglang"]["detail"]
+    assert f["target DeepseekV2ForCausalLM"]["status"] == "ok"
+    assert f["covered KimiK25ForConditionalGeneration"]["status"] == "ok"
+    assert f["sitecustomize"]["status"] == "ok" and other_sitecustomize in f["sitecustomize"]["detail"]
+    assert f["prefill CUDA graphs"]["status"] == "ok" and f["radix cache"]["status"] == "ok"
+    assert f["tensor parallel"]["status"] == "info" and "TP rank 0 writes" in f["tensor parallel"]["detail"]
+
+
+@pytest.mark.parametrize("flags,topic,status", [
+    (("--cuda-graph-backend-prefill", "breakable"), "prefill CUDA graphs", "block"),
+    (("--disable-cuda-graph",), "radix cache", "warn"),
+    (("--disable-cuda-graph", "--enable-two-batch-overlap"), "two-batch overlap", "warn"),
+    (("--disable-cuda-graph", "--tp", "2", "--dp", "2", "--enable-dp-attention"), "dp attention", "info"),
+    ((), "prefill CUDA graphs", None),  # no flags given: not judged
+])
+def test_flags_that_break_or_thin_capture(tmp_path, flags, topic, status):
+    code, f = doctor(tmp_path, *(("--model-path", "m") + flags if flags else ()))
+    if status is None:
+        assert topic not in f and code == 0
+        return
+    assert f[topic]["status"] == status
+    assert code == (1 if status == "block" else 0)
+    if status in ("block", "warn"):
+        assert f[topic]["action"]
+
+
+def test_a_shadowed_hook_or_no_dump_dir_blocks(tmp_path, other_sitecustomize):
+    code, f = doctor(tmp_path, pythonpath=[other_sitecustomize, HOOK])
+    assert code == 1 and f["sitecustomize"]["status"] == "block" and "shadows the hook" in f["sitecustomize"]["detail"]
+    code, f = doctor(tmp_path, pythonpath=[])
+    assert code == 1 and f["sitecustomize"]["status"] == "block" and "PYTHONPATH" in f["sitecustomize"]["action"]
+    code, f = doctor(tmp_path, dump=False)
+    assert code == 1 and f["settings"]["status"] == "block" and "HSCAP_DIR" in f["settings"]["detail"]
