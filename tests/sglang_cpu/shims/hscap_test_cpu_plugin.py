@@ -32,17 +32,22 @@ def _dp_attention_padding_on_cpu():
 
     if torch.cuda.is_available():
         return
+    import importlib
+
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-    from sglang.srt.model_executor import forward_batch_info
 
-    forward_batch_info._is_cpu = True
-    from sglang.srt.layers import dp_attention
-
-    dp_attention._is_cpu = True
-    dp_attention.memcpy_func = dp_attention.memcpy_cpu  # not the triton kernel
-    from sglang.srt.distributed import parallel_state
-
-    parallel_state._is_cpu = True  # all-gather / reduce-scatter through torch.distributed
+    # Feature-detected, module by module: other releases lay these out differently.
+    for name in ("sglang.srt.model_executor.forward_batch_info",  # no pinned memory
+                 "sglang.srt.layers.dp_attention",  # rows copied with torch, not triton
+                 "sglang.srt.distributed.parallel_state"):  # all-gather via torch.distributed
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "_is_cpu"):
+            module._is_cpu = True
+        if hasattr(module, "memcpy_cpu") and hasattr(module, "memcpy_func"):
+            module.memcpy_func = module.memcpy_cpu
     # ...which asks the backend for the sequence length of padding rows; torch_native never
     # says (it has no graphs). 1, as SGLang's CPU backend answers.
     if not hasattr(TorchNativeAttnBackend, "get_cpu_graph_seq_len_fill_value"):
