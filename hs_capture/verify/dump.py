@@ -1,19 +1,15 @@
 """Verify dump dirs as the server wrote them: metadata, index, files, bytes, values, coverage.
 
 Index-level checks (cheap) always cover everything; the step pass decodes every file (or a
-random `sample` of steps) in a thread pool with a bounded window, so memory stays at a few
-steps whatever the dump's size. zstd, crc32 and numpy release the GIL: threads scale."""
+random `sample` of steps) through pool.bounded_map."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
@@ -21,6 +17,7 @@ from .. import format as fmt
 from ..assemble import MixedRuns, plan
 from ..layout import TEMP_MARK, TENSOR_SUFFIX
 from ..reader import DumpError, Run, line_problem, open_runs
+from .pool import bounded_map, pick
 from .report import ERROR, WARNING, Report
 from .values import as_array, identical_pairs, value_problems
 
@@ -393,25 +390,10 @@ def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str
     steps: List[_Step] = []
     for run in runs:
         steps += check_index(run, report)
-    todo = steps if sample is None or sample >= len(steps) else random.Random(seed).sample(steps, sample)
+    todo = pick(steps, sample, seed)
     report.stats.update(runs=len(runs), ranks=sum(len(r.ranks) for r in runs), steps=len(steps),
                         steps_decoded=len(todo))
-    read = 0
-    window: Deque[Future] = deque()
-    done = 0
-    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscap-verify") as pool:
-        for st in todo:
-            window.append(pool.submit(check_step, st, report, dataset))
-            if len(window) >= 2 * max(1, jobs):  # bounded: a few steps in memory at once
-                read += window.popleft().result()
-                done += 1
-                if progress:
-                    progress(done, len(todo))
-        while window:
-            read += window.popleft().result()
-            done += 1
-            if progress:
-                progress(done, len(todo))
+    read = sum(bounded_map(lambda st: check_step(st, report, dataset), todo, jobs, progress))
     report.stats["bytes_read"] = read
     report.stats.update(check_coverage(paths, runs, steps, report,
                                        {k: len(v) for k, v in dataset.items()} if dataset is not None else None))

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import struct
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import format as fmt
 from ..layout import TEMP_MARK
+from .pool import bounded_map, pick
 from .report import Report
 from .values import identical_pairs, value_problems
 
@@ -308,19 +306,11 @@ def verify_merged(paths: Sequence[str], report: Report, dataset: Optional[Dict[s
             for rid in (order or sorted(dataset)):
                 if rid not in present and rid not in incomplete:
                     report.add("coverage", "missing from the merged output", rid=rid)
-    todo = items if sample is None or sample >= len(items) else random.Random(seed).sample(items, sample)
+    todo = pick(items, sample, seed)
     report.stats.update(merged_files=len({i.path for i in items}), samples=len(items), samples_checked=len(todo),
                         formats=sorted({i.fmt for i in items}))
     headers: Dict[str, fmt.Header] = {}
     seen: Dict[str, str] = {}
-    window: Deque[Future] = deque()
-    done = 0
-    with ThreadPoolExecutor(max(1, jobs), thread_name_prefix="hscap-verify") as pool:
-        for it in todo:
-            window.append(pool.submit(check_item, it, report, dataset, headers, seen))
-            while len(window) >= 2 * max(1, jobs) or (window and it is todo[-1]):
-                window.popleft().result()
-                done += 1
-                if progress:
-                    progress(done, len(todo))
+    for _ in bounded_map(lambda it: check_item(it, report, dataset, headers, seen), todo, jobs, progress):
+        pass
     return items
