@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .assemble import Assembler, Plan, plan
-from .reader import DumpError
+from .reader import DumpError, first_mismatch
 from . import format as fmt
 from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
 from .layout import TEMP_MARK
@@ -95,9 +95,8 @@ def _checked_sample(asm: Assembler, rid: str, ds: Optional[Dataset], res: MergeR
         return None
     if ds is not None:
         want = ds.ids[rid]
-        got = s.input_ids.tolist()
-        if got != want:
-            k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        k = first_mismatch(s.input_ids.tolist(), want)
+        if k is not None:
             res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
             return None
     mask = ds.masks.get(rid) if ds is not None else None

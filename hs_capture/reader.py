@@ -19,6 +19,14 @@ class DumpError(Exception):
     """A dump that cannot be read as asked; the message names the file."""
 
 
+def first_mismatch(got: List[int], want: List[int]) -> Optional[int]:
+    """The first position where two token-id lists differ (the shorter length when one is a
+    prefix of the other), or None when they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
 @dataclass
 class Run:
     path: str

@@ -16,7 +16,7 @@ import numpy as np
 from .. import format as fmt
 from ..assemble import MixedRuns, plan
 from ..layout import TEMP_MARK, TENSOR_SUFFIX
-from ..reader import DumpError, Run, line_problem, open_runs
+from ..reader import DumpError, Run, first_mismatch, line_problem, open_runs
 from .pool import bounded_map, pick
 from .report import ERROR, WARNING, Report
 from .values import as_array, identical_pairs, value_problems
@@ -337,8 +337,8 @@ def _check_rows(step: _Step, final: Dict[str, np.ndarray], dataset: Optional[Dic
             report.looked("tokens")
             want = dataset[s["rid"]][pre:pre + ln]
             have = ids[a:a + ln].tolist()
-            if have != want:
-                k = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+            k = first_mismatch(have, want)
+            if k is not None:
                 report.add("tokens", f"token at position {pre + k} is {have[k] if k < len(have) else None}, "
                                      f"the dataset has {want[k] if k < len(want) else None}", path=rel, rid=s["rid"])
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import format as fmt
 from ..layout import TEMP_MARK
+from ..reader import first_mismatch
 from .pool import bounded_map, pick
 from .report import Report
 from .values import identical_pairs, value_problems
@@ -277,8 +278,8 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
     if dataset is not None and rid is not None and rid in dataset:
         report.looked("tokens")
         want, have = dataset[rid], s.input_ids.tolist()
-        if have != want:
-            k = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
+        k = first_mismatch(have, want)
+        if k is not None:
             report.add("tokens", f"token ids differ from the dataset at position {k} "
                                  f"(lengths {len(have)} vs {len(want)})", path=item.path, rid=rid)
     return s
