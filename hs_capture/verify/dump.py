@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .. import format as fmt
-from ..assemble import MixedRuns, plan
+from ..assemble import MixedRuns, Plan, plan
 from ..layout import TEMP_MARK, TENSOR_SUFFIX
 from ..reader import DumpError, Run, first_mismatch, line_problem, open_runs
 from .pool import bounded_map, pick
@@ -344,15 +344,16 @@ def _check_rows(step: _Step, final: Dict[str, np.ndarray], dataset: Optional[Dic
 
 
 def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], report: Report,
-                   lengths: Optional[Dict[str, int]]) -> Dict[str, int]:
-    """Which samples are whole, by the same rule merge uses; plus a rid in two ranks of one run."""
+                   lengths: Optional[Dict[str, int]]) -> Optional[Plan]:
+    """Which samples are whole, by the same rule merge uses; plus a rid in two ranks of one run.
+    Returns merge's plan of the samples (None when the runs cannot be planned together)."""
     try:
         p = plan(paths, lengths, strict=False)
     except MixedRuns:
-        return {}  # reported by the config check; coverage over a mix means nothing
+        return None  # reported by the config check; coverage over a mix means nothing
     except DumpError as e:
         report.add("coverage", f"cannot plan the samples: {e}")
-        return {}
+        return None
     report.looked("coverage", len(p.samples) + len(p.incomplete))
     for rid, reason in sorted(p.incomplete.items()):
         report.add("coverage", reason, rid=rid)
@@ -379,13 +380,15 @@ def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], re
         if len(in_runs) > 1 and rid in p.samples:
             report.add("coverage", f"captured in {len(in_runs)} runs; merge uses the latest whole one", WARNING,
                        rid=rid)
-    return {"samples_complete": len(p.samples) - lost, "samples_incomplete": len(p.incomplete) + lost,
-            "tokens": sum(pc.length for pcs in p.samples.values() for pc in pcs)}
+    report.stats.update(samples_complete=len(p.samples) - lost, samples_incomplete=len(p.incomplete) + lost,
+                        tokens=sum(pc.length for pcs in p.samples.values() for pc in pcs))
+    return p
 
 
 def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str, List[int]]] = None,
                 sample: Optional[int] = None, jobs: int = 4, seed: int = 0,
-                progress: Optional[Progress] = None) -> None:
+                progress: Optional[Progress] = None) -> Optional[Plan]:
+    """Every dump check; returns the samples' plan (for --reference) when there is one."""
     runs = check_runs(paths, report)
     steps: List[_Step] = []
     for run in runs:
@@ -395,5 +398,5 @@ def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str
                         steps_decoded=len(todo))
     read = sum(bounded_map(lambda st: check_step(st, report, dataset), todo, jobs, progress))
     report.stats["bytes_read"] = read
-    report.stats.update(check_coverage(paths, runs, steps, report,
-                                       {k: len(v) for k, v in dataset.items()} if dataset is not None else None))
+    return check_coverage(paths, runs, steps, report,
+                          {k: len(v) for k, v in dataset.items()} if dataset is not None else None)
