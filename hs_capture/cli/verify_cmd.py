@@ -44,17 +44,16 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
                layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
     dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
-    from ..send import read_dataset
+    from ..merge import MergeError, load_dataset  # the dataset exactly as merge reads it
     from ..verify import verify
 
     ids, order = None, None
     if dataset:
-        ids, order = {}, []
-        for _, s, error in read_dataset(dataset):
-            if error is not None:
-                raise click.ClickException(f"{dataset}: {error}")
-            ids[s.id] = s.input_ids
-            order.append(s.id)
+        try:
+            ds = load_dataset(dataset)
+        except MergeError as e:
+            raise click.ClickException(str(e))
+        ids, order = ds.ids, ds.order
     bar = Progress(enabled=not (quiet or as_json))
 
     def on_progress(what: str, done: int, total: int) -> None:
