@@ -12,12 +12,12 @@ import json
 import os
 import platform
 import random
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Tuple
 
 import torch
 
@@ -62,23 +62,31 @@ def synthetic_dump(root: str, steps: int, seed: int = 0) -> int:
     return rid  # whole samples (the last, unfinished one is incomplete: merge skips it)
 
 
-def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
-    # A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec,
-    # and this process holds the synthetic tensors): reset it first (clear_refs 5).
-    cmd = [sys.executable, "-c",
-           "import json, resource, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
-           "from hs_capture.cli import main; sys.argv = ['hscap'] + sys.argv[1:]\n"
-           "try:\n    main()\nfinally:\n"
-           "    import re; r = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-           "    c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-           "    print(json.dumps({'peak_rss_mb': round(max(r, c) / 1024)}), file=sys.stderr)",
-           "merge", dump, "-o", out, "--format", fmt, "-j", str(jobs), "--json", "--cache-mb", "1024"]
+# A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec, and
+# the benchmark holds the synthetic tensors): the child resets it first (clear_refs 5) and
+# reports its VmHWM at the end, or its worker processes' peak (-j) if larger.
+_WITH_PEAK = ("import json, resource, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
+              "from hs_capture.cli import main; sys.argv = ['hscap'] + sys.argv[1:]\n"
+              "try:\n    main()\nfinally:\n"
+              "    import re; r = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+              "    c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+              "    print(json.dumps({'peak_rss_mb': round(max(r, c) / 1024)}), file=sys.stderr)")
+
+
+def run_hscap(*args: str) -> Tuple[dict, int, float, int]:
+    """`hscap ARGS --json` in a fresh process: (its JSON output, exit code, wall s, peak RSS MB)."""
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    p = subprocess.run([sys.executable, "-c", _WITH_PEAK, *args, "--json"], capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t0
-    assert p.returncode == 0, p.stderr[-2000:]
-    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    assert p.stdout.strip(), p.stderr[-2000:]
     peak = json.loads(p.stderr.strip().splitlines()[-1])["peak_rss_mb"]
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.returncode, wall, peak
+
+
+def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
+    summary, rc, wall, peak = run_hscap("merge", dump, "-o", out, "--format", fmt, "-j", str(jobs),
+                                        "--cache-mb", "1024")
+    assert rc == 0, summary
     return {"format": fmt, "jobs": jobs, "samples": summary["written"], "raw_GB": round(summary["raw_bytes"] / 1e9, 3),
             "wall_s": round(wall, 2), "GBps_raw": round(summary["raw_bytes"] / 1e9 / wall, 3),
             "bytes_in_GB": round(summary["bytes_in"] / 1e9, 3), "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3),

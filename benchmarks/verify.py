@@ -12,36 +12,21 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from merge import H, STEP, synthetic_dump  # noqa: E402
-
-# A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec):
-# reset it first (clear_refs 5), then read VmHWM at the end.
-_RUN = ("import json, re, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
-        "from hs_capture.cli import main; sys.argv = ['hscap'] + sys.argv[1:]\n"
-        "try:\n    main()\nfinally:\n"
-        "    hwm = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-        "    print(json.dumps({'peak_rss_mb': round(hwm / 1024)}), file=sys.stderr)")
+from merge import H, STEP, run_hscap, synthetic_dump  # noqa: E402
 
 
 def run_verify(dump: str, *args: str) -> dict:
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", _RUN, "verify", dump, "--json", *args], capture_output=True,
-                       text=True, cwd=REPO)
-    wall = time.perf_counter() - t0
-    doc = json.loads(p.stdout.strip().splitlines()[-1])
-    peak = json.loads(p.stderr.strip().splitlines()[-1])["peak_rss_mb"]
+    doc, rc, wall, peak = run_hscap("verify", dump, *args)
     st = doc["stats"]
     raw = st["steps_decoded"] * STEP * H * 4 * 2  # 3 layers + final, bf16
-    return {"args": " ".join(args), "ok": doc["ok"], "exit": p.returncode, "steps_decoded": st["steps_decoded"],
+    return {"args": " ".join(args), "ok": doc["ok"], "exit": rc, "steps_decoded": st["steps_decoded"],
             "raw_GB": round(raw / 1e9, 3), "file_GB": round(st["bytes_read"] / 1e9, 3), "wall_s": round(wall, 2),
             "GBps_raw": round(raw / 1e9 / wall, 3), "peak_rss_MB": peak}
 
