@@ -15,7 +15,7 @@ from typing import Callable, Dict
 import torch
 
 from .assemble import SampleTensors
-from .layout import safe_component, temp_name
+from .layout import NATIVE_INDEX, safe_component, temp_name
 
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
               torch.int32: "I32"}
@@ -99,7 +99,7 @@ FORMATS = {
 
 
 # ---------------------------------------------------------------- native packed shards
-HSCAP_INDEX = "index.json"
+HSCAP_INDEX = NATIVE_INDEX
 
 
 def write_hscap_shard(path: str, items, codec: str = "bytegroup", level: int = 1) -> int:

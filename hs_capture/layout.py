@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass
 
 TENSOR_SUFFIX = ".hst"
+# What `hscap merge` writes beside the samples (merge writes them, verify and the dataset read them).
+MERGE_REPORT = "merge_report.json"
+NATIVE_INDEX = "index.json"  # the native format's sample index
 TEMP_MARK = ".tmp-"
 STEPS_PER_DIR = 1000
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")

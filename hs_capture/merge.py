@@ -22,11 +22,11 @@ from .assemble import Assembler, Plan, plan
 from .reader import DumpError, first_mismatch
 from . import format as fmt
 from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
-from .layout import TEMP_MARK
+from .layout import MERGE_REPORT, TEMP_MARK
 from .send import read_dataset
 from .writer import atomic_write
 
-REPORT = "merge_report.json"
+REPORT = MERGE_REPORT
 ALL_FORMATS = sorted(FORMATS) + ["hscap"]
 SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
 

@@ -16,14 +16,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import format as fmt
-from ..layout import TEMP_MARK
+from ..layout import MERGE_REPORT, NATIVE_INDEX, TEMP_MARK
 from ..reader import first_mismatch
 from .pool import bounded_map, pick
 from .report import Report
 from .values import identical_pairs, value_problems
 
-REPORT_NAME = "merge_report.json"
-HSCAP_INDEX = "index.json"  # formats.HSCAP_INDEX; not imported: that module needs torch at import
 
 
 @dataclass
@@ -38,7 +36,7 @@ class Item:
 
 
 def is_merged(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, REPORT_NAME)) or os.path.isfile(os.path.join(path, HSCAP_INDEX))
+    return os.path.isfile(os.path.join(path, MERGE_REPORT)) or os.path.isfile(os.path.join(path, NATIVE_INDEX))
 
 
 def _stem_rid_map(rids: Sequence[str]) -> Dict[str, str]:
@@ -51,7 +49,7 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
     """Items under a merged dir, and rid -> reason for samples merge reported incomplete."""
     items: List[Item] = []
     incomplete: Dict[str, str] = {}
-    rpath = os.path.join(root, REPORT_NAME)
+    rpath = os.path.join(root, MERGE_REPORT)
     if os.path.isfile(rpath):
         try:
             with open(rpath) as f:
@@ -61,7 +59,7 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
         except (OSError, ValueError, AttributeError) as e:
             report.add("samples", f"merge report unreadable: {e}", path=rpath)
     stems = _stem_rid_map(order) if order else {}
-    index = os.path.join(root, HSCAP_INDEX)
+    index = os.path.join(root, NATIVE_INDEX)
     if os.path.isfile(index):
         try:
             with open(index) as f:
