@@ -50,10 +50,7 @@ def atomic_write(path: str, chunks: List[Any], fsync: bool) -> int:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        _remove_quietly([tmp])
         raise
     return written
 
@@ -110,6 +107,7 @@ class ShardWriter:
         self._next_step = 0
         self.failure: Optional[str] = None
         self.stopped: Optional[Dict[str, Any]] = None  # set once, when capture stops for good
+        self._reserve: Optional[str] = None  # space held back for the metadata (start() makes it)
         # Fault injection for tests: a slow disk (seconds per step).
         self._test_delay = float(os.environ.get("HSCAP_TEST_WRITE_DELAY_MS", "0") or 0) / 1000.0
 
@@ -217,7 +215,7 @@ class ShardWriter:
                 self._budget.release(staged.nbytes)
 
     def _free_reserve(self) -> None:
-        if getattr(self, "_reserve", None):
+        if self._reserve:
             _remove_quietly([self._reserve])
             self._reserve = None
 
