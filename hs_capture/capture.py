@@ -23,6 +23,7 @@ from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
 from .log import get_logger
 from .sglang_compat import parallel_info, prefill_graph_state, relevant_flags, server_args, sglang_version
+from .targets import LAYER_FLAGS, LIST, Target
 from .writer import ShardWriter, dtype_name
 
 log = get_logger()
@@ -38,8 +39,9 @@ class ModelCapture:
     """Per-`DeepseekV2Model` state. Kept in the instance __dict__ as `_hscap_state`."""
 
     def __init__(self, layers: List[int], host_layers: List[int], hidden_size: int,
-                 writer: Optional[ShardWriter], parent: Any) -> None:
+                 writer: Optional[ShardWriter], parent: Any, select: str = LIST) -> None:
         self.layers = layers
+        self.layer_flags = select == LAYER_FLAGS
         self.host_layers = host_layers  # what SGLang itself asked for (EAGLE-3, DFlash)
         self.host_flag = bool(getattr(parent, "capture_aux_hidden_states", False))
         self.hidden_size = hidden_size
@@ -81,6 +83,8 @@ class ModelCapture:
         if self._lists is None:
             self._lists = (sorted(set(self.host_layers) | set(self.layers)), list(self.host_layers))
         want = self._lists[0] if capturing else self._lists[1]
+        if self.layer_flags and want is not self._last_set:
+            _flag_layers(model, want)
         model.layers_to_capture = want
         self._last_set = want
         return want
@@ -193,6 +197,8 @@ class ModelCapture:
     def restore(self, model: Any) -> None:
         """Give SGLang back the capture settings it had before us."""
         model.layers_to_capture = list(self.host_layers)
+        if self.layer_flags:
+            _flag_layers(model, self.host_layers)
         if self.prenorm_hooked:
             self._prenorm_handle.remove()
             self.prenorm_hooked = False
@@ -201,15 +207,28 @@ class ModelCapture:
             parent.capture_aux_hidden_states = self.host_flag or bool(self.host_layers)
 
 
+def _flag_layers(model: Any, layers: List[int]) -> None:
+    """The layer-flag families read `_is_layer_to_capture` on each decoder layer."""
+    wanted = set(layers)
+    for i, layer in enumerate(model.layers):
+        if bool(getattr(layer, "_is_layer_to_capture", False)) != (i in wanted):
+            setattr(layer, "_is_layer_to_capture", i in wanted)
+
+
 def _graph_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
+def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None) -> Optional[ModelCapture]:
     """Turn capture on for a freshly built CausalLM. ConfigError stops the server."""
     model = getattr(causal_lm, "model", None)
     if model is None or not hasattr(model, "layers_to_capture"):
         log.info("%s has no layers_to_capture (a NextN/MTP draft?): not captured", type(causal_lm).__name__)
+        return None
+    if not _forward_is_hooked(model):
+        # a subclass built another Model around our __init__ (Llama4 over Llama, say)
+        log.info("%s: %s.forward is not a patched target: not captured", type(causal_lm).__name__,
+                 type(model).__name__)
         return None
     par = parallel_info(getattr(causal_lm, "pp_group", None))
     if not par.is_last_pp_rank:
@@ -237,7 +256,8 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
         _writers.add(writer)
         writer.prewarm(_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
         _install_shutdown()
-    state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm)
+    state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm,
+                         target.select if target is not None else LIST)
     if cfg.prenorm and writer is not None:
         state.hook_prenorm(model.norm)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
@@ -253,6 +273,13 @@ def setup_model(causal_lm: Any, hf_config: Any) -> Optional[ModelCapture]:
                     "capture starts past position 0; such samples are detected and reported incomplete "
                     "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
     return state
+
+
+def _forward_is_hooked(model: Any) -> bool:
+    for klass in type(model).__mro__:
+        if "forward" in vars(klass):
+            return bool(getattr(vars(klass)["forward"], "_self_hscap_wrapper", False))
+    return False
 
 
 def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:

@@ -21,7 +21,6 @@ from .log import get_logger
 from .targets import TARGETS, Target
 
 log = get_logger()
-_MARK = "_hscap_wrapper"
 # wrapt 2 moved the proxy base (FunctionWrapper no longer subclasses wrapt.ObjectProxy)
 _PROXY = getattr(wrapt, "BaseObjectProxy", wrapt.ObjectProxy)
 
@@ -37,20 +36,29 @@ def _defining_class(cls: type, attr: str) -> type:
     raise AttributeError(f"{cls.__name__} has no {attr}")
 
 
-def _wrap(cls: type, attr: str, wrapper: Callable) -> bool:
+def is_ours(obj: Any) -> bool:
+    return is_wrapped(obj) and bool(getattr(obj, "_self_hscap_wrapper", False))
+
+
+def _wrap(cls: type, attr: str, wrapper: Callable) -> str:
+    """"wrapped", "shared" (another target already put our wrapper on the class that
+    defines it: Qwen3Model.forward is Qwen2Model's in older releases) or "foreign"."""
     owner = _defining_class(cls, attr)
     current = vars(owner)[attr]
-    if is_wrapped(current):  # ours or someone's: never stack a second wrapper
-        return False
+    if is_ours(current):
+        return "shared"
+    if is_wrapped(current):  # someone else's: never stack a second wrapper
+        return "foreign"
     proxy = wrapt.FunctionWrapper(current, wrapper)
     setattr(owner, attr, proxy)
-    return True
+    proxy._self_hscap_wrapper = True
+    return "wrapped"
 
 
 def _unwrap(cls: type, attr: str) -> None:
     owner = _defining_class(cls, attr)
     current = vars(owner)[attr]
-    if is_wrapped(current) and getattr(current, "_self_" + _MARK, False):
+    if is_ours(current):
         setattr(owner, attr, current.__wrapped__)
 
 
@@ -109,8 +117,11 @@ class HsCaptureInstrumentor:
 
         def init_wrapper(wrapped, instance, args, kwargs):
             wrapped(*args, **kwargs)
+            inner = getattr(instance, "model", None)
+            if inner is not None and "_hscap_state" in inner.__dict__:
+                return  # a subclass's __init__ ran ours twice: one capture per model
             try:
-                state = setup_model(instance, _bind_config(args, kwargs))
+                state = setup_model(instance, _bind_config(args, kwargs), target)
             except ConfigError as e:
                 log.error("ERROR: %s", e)
                 raise RuntimeError(f"[HS_DUMP] ERROR: {e}") from None
@@ -127,9 +138,7 @@ class HsCaptureInstrumentor:
             return state.forward(wrapped, instance, args, kwargs)
 
         for cls, attr, wrapper in ((causal_lm, "__init__", init_wrapper), (model_cls, "forward", forward_wrapper)):
-            if _wrap(cls, attr, wrapper):
-                setattr(vars(_defining_class(cls, attr))[attr], "_self_" + _MARK, True)
-            else:
+            if _wrap(cls, attr, wrapper) == "foreign":
                 log.warning("%s.%s is already wrapped: left as it is", cls.__name__, attr)
         self._done.append((target, causal_lm, model_cls))
         log.debug("instrumented %s", target.module)

@@ -143,6 +143,7 @@ class Sample:
     layers: Dict[int, np.ndarray]
     final: np.ndarray
     covered: np.ndarray = field(repr=False)  # bool per position
+    prenorm: Optional[np.ndarray] = field(default=None, repr=False)  # the final norm's input, if captured
 
     @property
     def complete(self) -> bool:
@@ -166,6 +167,7 @@ def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
                 final["input_ids"][rows],
                 final["hidden"][rows],
                 {int(p[1:]): parts[p]["hidden"][rows] for p in parts if p.startswith("L")},
+                parts["prenorm"]["hidden"][rows] if "prenorm" in parts else None,
             ))
     out = {}
     for rid, chunks in pieces.items():
@@ -175,7 +177,8 @@ def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
         final = np.zeros((length, h), dtype=np.float32)
         layers = {k: np.zeros((length, h), dtype=np.float32) for k in chunks[0][3]}
         covered = np.zeros(length, dtype=bool)
-        for pos, tok, fin, lay in chunks:
+        pre = np.zeros((length, h), dtype=np.float32) if chunks[0][4] is not None else None
+        for pos, tok, fin, lay, pre_rows in chunks:
             if covered[pos].any():
                 raise DumpError(f"rid {rid!r}: positions captured twice")
             covered[pos] = True
@@ -183,7 +186,9 @@ def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
             final[pos] = fin
             for k, v in lay.items():
                 layers[k][pos] = v
-        out[rid] = Sample(rid, ids, layers, final, covered)
+            if pre is not None and pre_rows is not None:
+                pre[pos] = pre_rows
+        out[rid] = Sample(rid, ids, layers, final, covered, pre)
     return out
 
 

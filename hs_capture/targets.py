@@ -1,22 +1,57 @@
-"""The SGLang classes hs_capture patches: one entry per defining module.
+"""The SGLang classes hs_capture patches: one small registry, one entry per model family.
+
+Every family here has SGLang's own EAGLE-3 capture (`set_eagle3_layers_to_capture`):
+its Model's forward returns `(hidden, aux)` once told which layers to capture, with
+index i = the residual stream entering decoder layer i. Families differ only in how the
+Model is told (`select`):
+
+- "list": the forward reads `model.layers_to_capture` (DeepSeek, Llama, Qwen2/3).
+- "layer_flags": the forward reads `_is_layer_to_capture` on each decoder layer; the
+  list is bookkeeping only (Qwen2-MoE/Qwen3-MoE).
 
 Subclasses that inherit the wrapped methods (DeepseekV3ForCausalLM for Kimi-K2,
 DeepseekV32, MistralLarge3, GlmMoeDsa) and wrappers that hold one
-(KimiK25ForConditionalGeneration.language_model) are covered by patching the
-class that defines the method.
+(KimiK25ForConditionalGeneration.language_model) are covered by patching the class that
+defines the method, which may live in another module (Qwen3Model.forward is
+Qwen2Model's up to 0.5.15).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
+
+LIST, LAYER_FLAGS = "list", "layer_flags"
 
 
 @dataclass(frozen=True)
 class Target:
+    family: str
     module: str        # the submodule that defines the classes (post-import hooks key on it)
     causal_lm: str     # its __init__ turns capture on
     model: str         # its forward hands over the captures
+    select: str = LIST  # how the Model is told which layers to capture (see above)
 
 
-DEEPSEEK_V2 = Target("sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Model")
-TARGETS = (DEEPSEEK_V2,)
+TARGETS: Tuple[Target, ...] = (
+    Target("deepseek", "sglang.srt.models.deepseek_v2", "DeepseekV2ForCausalLM", "DeepseekV2Model"),
+    Target("llama", "sglang.srt.models.llama", "LlamaForCausalLM", "LlamaModel"),
+    Target("qwen3", "sglang.srt.models.qwen3", "Qwen3ForCausalLM", "Qwen3Model"),
+    Target("qwen3_moe", "sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeModel", LAYER_FLAGS),
+)
+
+# Architectures (config.json) served through a target without being one of its classes.
+COVERED = {
+    "DeepseekV3ForCausalLM": "deepseek",            # Kimi-K2: subclass
+    "DeepseekV32ForCausalLM": "deepseek",
+    "KimiK25ForConditionalGeneration": "deepseek",  # holds a DeepseekV3ForCausalLM
+}
+
+
+def for_architecture(arch: str) -> Optional[Target]:
+    """The target that captures a model of this architecture, or None."""
+    family = COVERED.get(arch)
+    for t in TARGETS:
+        if t.causal_lm == arch or t.family == family:
+            return t
+    return None

@@ -31,46 +31,10 @@ CPU_FLAGS = [
 
 
 def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
-    """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU.
+    """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU."""
+    from tests.sglang_cpu.models import make_tiny
 
-    Every token routes to all 8 experts (top-8 of 8): with top-2, a near-tie between two
-    experts' scores (1e-7 apart) is decided differently by SGLang and transformers now and
-    then (seen: 1 token of ~25k), and that token's state then differs by ~0.1. With all
-    experts chosen the MoE is a continuous weighting, and the comparison tests capture,
-    not tie-breaking."""
-    import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    if os.path.exists(os.path.join(out, "model.safetensors")):
-        return out
-    torch.manual_seed(seed)
-    cfg = DeepseekV3Config(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
-        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        rms_norm_eps=1e-6, max_position_embeddings=163840,
-        # SGLang's CPU rope factory asserts a yarn rope_scaling: DeepSeek-V3's own values
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
-                             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
-                             mscale=1.0, mscale_all_dim=1.0),
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=0,
-        topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
-    cfg.architectures = ["DeepseekV3ForCausalLM"]
-    model = DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn_like(t) * 0.1)
-    model.to(getattr(torch, dtype)).save_pretrained(out, safe_serialization=True)
-    path = os.path.join(out, "config.json")
-    with open(path) as f:
-        data = json.load(f)
-    data.setdefault("torch_dtype", dtype)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
-    return out
+    return make_tiny("deepseek_v3", out, layers, dtype, seed)
 
 
 def free_port() -> int:
@@ -106,14 +70,15 @@ class Server:
     """One real `python -m sglang.launch_server`, in its own process group."""
 
     def __init__(self, model: str, env: Dict[str, str], log_path: str, extra_flags: Sequence[str] = (),
-                 launcher: Optional[Sequence[str]] = None) -> None:
+                 launcher: Optional[Sequence[str]] = None, python: Optional[str] = None) -> None:
         """The documented command, or with `launcher` (e.g. bin/hscap-serve -d DUMP --) in front of
-        the sglang flags instead of `python -m sglang.launch_server`."""
+        the sglang flags instead of `python -m sglang.launch_server`. `python`: another venv's
+        interpreter (another sglang release)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, "--port", "PORT", *extra_flags]
-        self._cmd = [*launcher, *flags] if launcher else [sys.executable, "-m", "sglang.launch_server", *flags]
+        self._cmd = [*launcher, *flags] if launcher else [python or sys.executable, "-m", "sglang.launch_server", *flags]
         self._env = env
         self._log = open(log_path, "wb")
         self._launch()
@@ -194,10 +159,12 @@ def hf_hidden_states(model_dir: str, input_ids: List[int], prenorm: bool = False
     """transformers' float32 forward: hidden_states[i] enters layer i; the last is post-norm.
     With prenorm, also the final norm's input (returned as a second value)."""
     import torch
-    from transformers import DeepseekV3ForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from tests.sglang_cpu.models import reference_dir
 
     if _HF.get(model_dir) is None:
-        _HF[model_dir] = DeepseekV3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _HF[model_dir] = AutoModelForCausalLM.from_pretrained(reference_dir(model_dir), dtype=torch.float32).eval()
     hf = _HF[model_dir]
     seen = {}
     handle = hf.model.norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", a[0][0].clone()))

@@ -1,0 +1,122 @@
+"""Tiny random checkpoints, one per model family hs_capture targets, made with transformers
+so that transformers' float32 forward on the same files is the reference.
+
+Every MoE routes each token to all of its experts: with top-k < n, a near-tie between two
+experts' scores (1e-7 apart) is decided differently by SGLang and transformers now and then
+(seen: 1 token of ~25k), and that token's state then differs by ~0.1. With all experts
+chosen the MoE is a continuous weighting, and a comparison tests capture, not tie-breaking.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Dict
+
+VOCAB = 1024
+_COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_attention_heads=4, rms_norm_eps=1e-6,
+               tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+# SGLang's CPU rope factory asserts a yarn rope_scaling for MLA: DeepSeek-V3's own values
+_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+_MLA = dict(kv_lora_rank=64, q_lora_rank=96, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+            max_position_embeddings=163840, num_key_value_heads=4)
+
+
+def _deepseek_v3(layers: int):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        **_COMMON, **_MLA, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=layers,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=_YARN,
+        num_nextn_predict_layers=0, topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1)
+    return DeepseekV3ForCausalLM(cfg), "DeepseekV3ForCausalLM"
+
+
+def _deepseek_v2(layers: int):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        **_COMMON, **_MLA, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=layers,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=False, rope_parameters=_YARN,
+        topk_method="greedy", scoring_func="softmax", moe_layer_freq=1)
+    return DeepseekV2ForCausalLM(cfg), "DeepseekV2ForCausalLM"
+
+
+def _llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**_COMMON, intermediate_size=512, num_hidden_layers=layers, num_key_value_heads=2,
+                      max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg), "LlamaForCausalLM"
+
+
+def _qwen3(layers: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**_COMMON, intermediate_size=512, num_hidden_layers=layers, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=4096)
+    return Qwen3ForCausalLM(cfg), "Qwen3ForCausalLM"
+
+
+def _qwen3_moe(layers: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**_COMMON, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=layers,
+                         num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=8,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         max_position_embeddings=4096)
+    return Qwen3MoeForCausalLM(cfg), "Qwen3MoeForCausalLM"
+
+
+BUILDERS: Dict[str, Callable] = {
+    "deepseek_v3": _deepseek_v3, "deepseek_v2": _deepseek_v2, "llama": _llama,
+    "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
+}
+FAMILIES = tuple(BUILDERS) + ("kimi_k25",)
+
+
+def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
+    """Write a tiny random checkpoint of `family` to `out` (kept if already there)."""
+    import torch
+
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    if family == "kimi_k25":
+        return _kimi_k25(out, layers, dtype, seed)
+    torch.manual_seed(seed)
+    model, arch = BUILDERS[family](layers)
+    model = model.eval()
+    with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn_like(t) * 0.1)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.config.architectures = [arch]
+    model.to(getattr(torch, dtype)).save_pretrained(tmp, safe_serialization=True)
+    _edit_config(tmp, lambda c: c.setdefault("torch_dtype", dtype))
+    os.replace(tmp, out)  # a half-written model is never mistaken for a made one
+    return out
+
+
+def _edit_config(model_dir: str, edit: Callable[[dict], object]) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    edit(data)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+
+
+def _kimi_k25(out: str, layers: int, dtype: str, seed: int) -> str:
+    raise NotImplementedError("kimi_k25 tiny model")
+
+
+def reference_dir(model_dir: str) -> str:
+    """The checkpoint transformers reads for `model_dir` (a wrapper's text model)."""
+    text = os.path.join(model_dir, "text_model")
+    return text if os.path.isdir(text) else model_dir
