@@ -113,7 +113,61 @@ def _edit_config(model_dir: str, edit: Callable[[dict], object]) -> None:
 
 
 def _kimi_k25(out: str, layers: int, dtype: str, seed: int) -> str:
-    raise NotImplementedError("kimi_k25 tiny model")
+    """Kimi-K2.5's layout: a KimiK25ForConditionalGeneration config holding a DeepSeek-V3
+    text_config and a (tiny) MoonViT vision_config, text weights under `language_model.`.
+    The text model is also kept as a plain checkpoint in text_model/: transformers has no
+    Kimi-K2.5 class, and its text path is exactly that DeepSeek-V3."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    text = make_tiny("deepseek_v3", os.path.join(tmp, "text_model"), layers, dtype, seed)
+    with open(os.path.join(text, "config.json")) as f:
+        text_config = json.load(f)
+    weights = load_file(os.path.join(text, "model.safetensors"))
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "torch_dtype": dtype, "text_config": text_config,
+        # the vision tower is built but never run: text-only requests (its weights stay unset)
+        "vision_config": {"patch_size": 14, "init_pos_emb_height": 8, "init_pos_emb_width": 8,
+                          "init_pos_emb_time": 4, "num_attention_heads": 2, "num_hidden_layers": 1,
+                          "hidden_size": 32, "intermediate_size": 64, "merge_kernel_size": [2, 2],
+                          "vt_hidden_size": 32, "vt_num_hidden_layers": 1, "vt_num_attention_heads": 2,
+                          "vt_intermediate_size": 64,  # the projector reads the vt_* names
+                          "mm_hidden_size": 32, "text_hidden_size": text_config["hidden_size"]},
+        "media_placeholder_token_id": VOCAB - 3, "pad_token_id": 0,
+    }
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    _kimi_processor(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _kimi_processor(model_dir: str) -> None:
+    """SGLang loads a multimodal model's processor even with --skip-tokenizer-init, and its
+    Kimi-K2.5 processor wants Moonshot's remote-code one (media_processor): a word-level
+    tokenizer plus the stand-in in remote_code/, loaded with --trust-remote-code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB - 3)}
+    vocab.update({"<|media_pad|>": VOCAB - 3, "<|kimi_k25_video_placeholder|>": VOCAB - 2, "<unk>": VOCAB - 1})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t0", eos_token="t1",
+                            pad_token="t0").save_pretrained(model_dir)
+    name = "processing_tiny_kimi.py"
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote_code", name), model_dir)
+    with open(os.path.join(model_dir, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "TinyKimiK25Processor",
+                   "auto_map": {"AutoProcessor": "processing_tiny_kimi.TinyKimiK25Processor"}}, f, indent=2)
+
+
+# Server flags a family needs on top of the CPU flags.
+SERVER_FLAGS = {"kimi_k25": ("--trust-remote-code",)}
 
 
 def reference_dir(model_dir: str) -> str:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build a venv serving another sglang release on this CPU, for the version matrix
+# (tests/test_versions.py): .venvs/sglang-VERSION. Idempotent.
+#   bash bin/setup_sglang_venv.sh 0.5.15
+# Same recipe as bin/setup_env.sh: the local torch build (sglang is installed --no-deps, so
+# its own torch pin is not pulled: the server code paths we use run on it), the light
+# dependencies of requirements/test-lock.txt, then requirements/sglang-VERSION.txt for the
+# pins that release needs instead (its transformers, mostly). hs_capture itself is not
+# installed: the hook finds the checkout (the documented PYTHONPATH form).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+V=${1:?usage: setup_sglang_venv.sh SGLANG_VERSION}
+VENV=${VENV:-.venvs/sglang-$V}
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip install torch==2.14.1 torchvision==0.29.1
+pip install --no-deps "sglang==$V"
+pip install -r requirements/test-lock.txt
+[ -f "requirements/sglang-$V.txt" ] && pip install -r "requirements/sglang-$V.txt"
+echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch, transformers; print("sglang", sglang.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'))"
