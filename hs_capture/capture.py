@@ -10,6 +10,7 @@ fused all-reduce, so it is right under TP > 1.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import socket
@@ -275,6 +276,16 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     return state
 
 
+def _served_architectures(model_path: Any) -> List[str]:
+    """What the server was asked to serve: a wrapper (Kimi-K2.5) builds the captured
+    CausalLM from its text_config, whose architectures name only the inner class."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            return [str(a) for a in json.load(f).get("architectures") or []]
+    except Exception:  # a hub id, or unreadable: the inner class is recorded anyway
+        return []
+
+
 def _forward_is_hooked(model: Any) -> bool:
     for klass in type(model).__mro__:
         if "forward" in vars(klass):
@@ -302,6 +313,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, 
         "pid": os.getpid(),
         "model_path": flags.get("model_path"),
         "architectures": list(getattr(hf_config, "architectures", None) or []),
+        "served_architectures": _served_architectures(flags.get("model_path")),
         "model_type": getattr(hf_config, "model_type", None),
         "num_layers": int(hf_config.num_hidden_layers),
         "hidden_size": int(hf_config.hidden_size),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -16,14 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import config as config_mod
 from .package import _instruments
-from .targets import TARGETS
+from .targets import COVERED, TARGETS, Target, for_architecture
 
 OK, INFO, WARN, BLOCK = "ok", "info", "warn", "block"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
-# Classes that reach a target by inheritance or by holding one (DESIGN.md section 3).
-RELATED = (("sglang.srt.models.deepseek_v2", "DeepseekV3ForCausalLM"),
-           ("sglang.srt.models.deepseek_v2", "DeepseekV32ForCausalLM"),
-           ("sglang.srt.models.kimi_k25", "KimiK25ForConditionalGeneration"))
 
 
 @dataclass
@@ -59,37 +56,72 @@ def check_sglang() -> List[Finding]:
     return [Finding("sglang", OK, f"sglang {version} (supported: {_instruments[0]})")]
 
 
+def target_problems(t: Target) -> List[str]:
+    """Why this target cannot be patched in this environment (empty: it can)."""
+    try:
+        mod = importlib.import_module(t.module)
+    except Exception as e:
+        return [f"{t.module} does not import: {type(e).__name__}: {e}"]
+    lm, model = getattr(mod, t.causal_lm, None), getattr(mod, t.model, None)
+    problems = []
+    if lm is None or "__init__" not in vars(lm):
+        problems.append(f"{t.causal_lm}.__init__ not found")
+    forward = getattr(model, "forward", None)  # may be inherited (Qwen3Model from Qwen2Model)
+    if forward is None:
+        problems.append(f"{t.model}.forward not found")
+    elif "forward_batch" not in inspect.signature(forward).parameters:
+        problems.append(f"{t.model}.forward takes no forward_batch")
+    if lm is not None and not hasattr(lm, "set_eagle3_layers_to_capture"):
+        problems.append(f"{t.causal_lm} has no set_eagle3_layers_to_capture (SGLang's capture is missing)")
+    return problems
+
+
 def check_targets() -> List[Finding]:
-    out = []
+    """Each family: patchable or not. One that cannot be patched only matters if it is the
+    family served (check_model); none patchable at all blocks."""
+    out, usable = [], 0
     for t in TARGETS:
-        try:
-            mod = importlib.import_module(t.module)
-        except Exception as e:
-            out.append(Finding(f"target {t.module}", BLOCK, f"cannot import: {type(e).__name__}: {e}"))
-            continue
-        lm, model = getattr(mod, t.causal_lm, None), getattr(mod, t.model, None)
-        problems = []
-        if lm is None or "__init__" not in vars(lm):
-            problems.append(f"{t.causal_lm}.__init__ not found")
-        if model is None or "forward" not in vars(model):
-            problems.append(f"{t.model}.forward not found")
-        elif "forward_batch" not in inspect.signature(model.forward).parameters:
-            problems.append(f"{t.model}.forward takes no forward_batch")
-        if lm is not None and not hasattr(lm, "set_eagle3_layers_to_capture"):
-            problems.append(f"{t.causal_lm} has no set_eagle3_layers_to_capture (SGLang's capture is missing)")
+        problems = target_problems(t)
+        usable += not problems
         if problems:
-            out.append(Finding(f"target {t.causal_lm}", BLOCK, "; ".join(problems)))
+            out.append(Finding(f"target {t.causal_lm}", WARN, "; ".join(problems),
+                               f"{t.family} models would be served without capture"))
         else:
-            out.append(Finding(f"target {t.causal_lm}", OK,
-                               f"{t.causal_lm}.__init__ and {t.model}.forward can be wrapped"))
-    for module, name in RELATED:
+            out.append(Finding(f"target {t.causal_lm}", OK, f"{t.family}: {t.causal_lm}.__init__ and "
+                                                           f"{t.model}.forward can be wrapped ({t.select} selection)"))
+    if not usable:
+        out.append(Finding("targets", BLOCK, "no model family can be patched in this sglang"))
+    for c in COVERED:
         try:
-            cls = getattr(importlib.import_module(module), name, None)
+            cls = getattr(importlib.import_module(c.module), c.architecture, None)
         except Exception:
             cls = None
-        out.append(Finding(f"covered {name}", OK if cls is not None else INFO,
-                           "present: captured through the target" if cls is not None else "not in this release"))
+        out.append(Finding(f"covered {c.architecture}", OK if cls is not None else INFO,
+                           f"present: captured through the {c.family} target ({c.how})" if cls is not None
+                           else "not in this release"))
     return out
+
+
+def check_model(model_path: str) -> List[Finding]:
+    """Is the model the server is given captured at all? (local checkpoints only)"""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except Exception:
+        return [Finding("model", INFO, f"{model_path}: no local config.json to read; not judged")]
+    if not archs:
+        return [Finding("model", WARN, f"{model_path}/config.json names no architectures")]
+    arch = archs[0]
+    target = for_architecture(arch)
+    if target is None:
+        names = ", ".join([t.causal_lm for t in TARGETS] + [c.architecture for c in COVERED])
+        return [Finding("model", BLOCK, f"{arch} is not a target: the server would run without capture",
+                        f"hs_capture captures {names}")]
+    problems = target_problems(target)
+    if problems:
+        return [Finding("model", BLOCK, f"{arch} is captured through {target.causal_lm}, which cannot be "
+                                        f"patched here: {'; '.join(problems)}")]
+    return [Finding("model", OK, f"{arch}: captured through the {target.family} target ({target.causal_lm})")]
 
 
 def check_sitecustomize(path: Optional[Sequence[str]] = None) -> List[Finding]:
@@ -195,7 +227,17 @@ def diagnose(server_argv: Sequence[str] = ()) -> List[Finding]:
     findings += check_targets() + check_sitecustomize() + check_settings()
     if server_argv:
         findings += check_flags(server_argv)
+        model_path = _model_path(server_argv)
+        if model_path:
+            findings += check_model(model_path)
     return findings
+
+
+def _model_path(argv: Sequence[str]) -> Optional[str]:
+    try:
+        return getattr(parse_server_flags(argv), "model_path", None)
+    except BaseException:  # the parser's SystemExit: check_flags already said so
+        return None
 
 
 def as_dicts(findings: List[Finding]) -> List[Dict[str, str]]:

@@ -40,18 +40,24 @@ TARGETS: Tuple[Target, ...] = (
     Target("qwen3_moe", "sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeModel", LAYER_FLAGS),
 )
 
-# Architectures (config.json) served through a target without being one of its classes.
-COVERED = {
-    "DeepseekV3ForCausalLM": "deepseek",            # Kimi-K2: subclass
-    "DeepseekV32ForCausalLM": "deepseek",
-    "KimiK25ForConditionalGeneration": "deepseek",  # holds a DeepseekV3ForCausalLM
-}
+@dataclass(frozen=True)
+class Covered:
+    """An architecture (config.json) captured through a target without being its class."""
+    architecture: str
+    module: str
+    family: str
+    how: str
+
+
+COVERED: Tuple[Covered, ...] = (
+    Covered("DeepseekV3ForCausalLM", "sglang.srt.models.deepseek_v2", "deepseek", "subclass (Kimi-K2)"),
+    Covered("DeepseekV32ForCausalLM", "sglang.srt.models.deepseek_v2", "deepseek", "subclass"),
+    Covered("KimiK25ForConditionalGeneration", "sglang.srt.models.kimi_k25", "deepseek",
+            "holds a DeepseekV3ForCausalLM as language_model"),
+)
 
 
 def for_architecture(arch: str) -> Optional[Target]:
     """The target that captures a model of this architecture, or None."""
-    family = COVERED.get(arch)
-    for t in TARGETS:
-        if t.causal_lm == arch or t.family == family:
-            return t
-    return None
+    family = next((c.family for c in COVERED if c.architecture == arch), None)
+    return next((t for t in TARGETS if t.causal_lm == arch or t.family == family), None)

@@ -71,3 +71,30 @@ def test_a_shadowed_hook_or_no_dump_dir_blocks(tmp_path, other_sitecustomize):
     assert code == 1 and f["sitecustomize"]["status"] == "block" and "PYTHONPATH" in f["sitecustomize"]["action"]
     code, f = doctor(tmp_path, dump=False)
     assert code == 1 and f["settings"]["status"] == "block" and "HSCAP_DIR" in f["settings"]["detail"]
+
+
+def _checkpoint(tmp_path, name, arch):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    return str(d)
+
+
+@pytest.mark.parametrize("arch,family", [  # a class of its own, and one covered through another
+    ("Qwen3MoeForCausalLM", "qwen3_moe"), ("KimiK25ForConditionalGeneration", "deepseek"),
+])
+def test_every_family_is_found_and_the_served_model_is_judged(tmp_path, arch, family):
+    code, f = doctor(tmp_path, "--model-path", _checkpoint(tmp_path, "m", arch), "--disable-cuda-graph",
+                     "--disable-radix-cache")
+    assert code == 0
+    for target in ("DeepseekV2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert f[f"target {target}"]["status"] == "ok", f[f"target {target}"]
+    assert "layer_flags selection" in f["target Qwen3MoeForCausalLM"]["detail"]
+    assert f["model"]["status"] == "ok" and f"the {family} target" in f["model"]["detail"]
+
+
+def test_a_model_no_target_captures_blocks(tmp_path):
+    code, f = doctor(tmp_path, "--model-path", _checkpoint(tmp_path, "gpt2", "GPT2LMHeadModel"), "--disable-cuda-graph")
+    assert code == 1
+    assert f["model"]["status"] == "block" and "GPT2LMHeadModel is not a target" in f["model"]["detail"]
+    assert "LlamaForCausalLM" in f["model"]["action"]

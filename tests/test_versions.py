@@ -1,0 +1,48 @@
+"""Every model family on every sglang release this checkout has a venv for: served for
+real on the CPU with the hook, every layer, the final and the pre-norm state equal to
+transformers' float32 forward within 1e-4.
+
+The suite's own release (0.5.23, from bin/setup_env.sh) always runs. Older releases run
+where `bash bin/setup_sglang_venv.sh X` made .venvs/sglang-X, and skip (saying how to
+make it) where not; `python -m tests.sglang_cpu.matrix` runs the same pairs and prints the
+README's table.
+"""
+
+import os
+
+import pytest
+
+from tests.sglang_cpu.fidelity import run_fidelity
+from tests.sglang_cpu.matrix import LAYERS, TOL, release_pythons
+from tests.sglang_cpu.models import FAMILIES, SERVER_FLAGS, make_tiny
+
+RELEASES = ("0.5.10", "0.5.15", "0.5.23")
+_PYTHONS = release_pythons()
+ARCHITECTURES = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "kimi_k25": "KimiK25ForConditionalGeneration"}
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("family-models"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("release", RELEASES)
+def test_capture_matches_transformers(release, family, models_root, tmp_path):
+    python = _PYTHONS.get(release)
+    if python is None:
+        pytest.skip(f"no venv for sglang {release}: bash bin/setup_sglang_venv.sh {release}")
+    model = make_tiny(family, os.path.join(models_root, family), layers=LAYERS)
+    r = run_fidelity(model, str(tmp_path), LAYERS, python=python, extra_flags=SERVER_FLAGS.get(family, ()))
+    assert r.sglang == release
+    assert not r.problems, r.problems
+    assert r.samples == 8
+    # every layer the convention allows, the final and the pre-norm state
+    assert sorted(r.max_diff) == [f"L{i:02d}" for i in range(1, LAYERS)] + ["final", "prenorm"]
+    assert r.worst <= TOL, r.max_diff
+    assert r.architecture == ARCHITECTURES[family]
+    inner = "DeepseekV3ForCausalLM" if family == "kimi_k25" else r.architecture  # Kimi's language_model
+    assert f"[HS_DUMP] {inner}: layers_to_capture=[1, 2, 3, 4, 5]" in r.log
+    assert "ERROR" not in "\n".join(line for line in r.log.splitlines() if line.startswith("[HS_DUMP]"))
