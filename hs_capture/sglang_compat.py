@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .layout import RankId
 
@@ -126,6 +126,29 @@ def relevant_flags(args: Any) -> Dict[str, Any]:
     return out
 
 
+PIECEWISE_DEFAULT_ON = ("piecewise prefill CUDA graphs, on by default in this release, which --disable-cuda-graph "
+                        "leaves on: add --disable-piecewise-cuda-graph")
+
+
+def prefill_graph_off_flags(server_args_fields: "set[str]") -> List[str]:
+    """The flags that keep every prefill eager in the release whose server-argument names
+    are given (--disable-cuda-graph alone is not enough in 0.5.10-0.5.14)."""
+    flags = ["--disable-cuda-graph"]
+    if "disable_piecewise_cuda_graph" in server_args_fields:
+        flags.append("--disable-piecewise-cuda-graph")
+    return flags
+
+
+def server_arg_names() -> "set[str]":
+    """Every server-argument name of the sglang in this process (dataclass or msgspec)."""
+    from sglang.srt.server_args import ServerArgs
+
+    names = set(getattr(ServerArgs, "__dataclass_fields__", None) or ())
+    names |= set(getattr(ServerArgs, "__struct_fields__", None) or ())
+    names |= {k for k in vars(ServerArgs) if not k.startswith("_")}
+    return names
+
+
 def prefill_graph_state(args: Any) -> Optional[str]:
     """Name of the prefill CUDA-graph mode in effect, or None when prefill runs eagerly.
 
@@ -145,7 +168,14 @@ def prefill_graph_state(args: Any) -> Optional[str]:
                 return f"cuda_graph_backend_prefill={backend}"
     except Exception:
         pass
-    if _arg(args, "disable_cuda_graph") or _arg(args, "disable_prefill_cuda_graph"):
+    if _arg(args, "disable_prefill_cuda_graph"):
+        return None
+    piecewise_off = _arg(args, "disable_piecewise_cuda_graph")
+    if isinstance(piecewise_off, bool) and _arg(args, "enable_piecewise_cuda_graph") is None:
+        # 0.5.10-0.5.14: piecewise prefill graphs are on by default, and only their own flag
+        # turns them off: --disable-cuda-graph leaves them on (model_runner checks only it)
+        return None if piecewise_off else PIECEWISE_DEFAULT_ON
+    if _arg(args, "disable_cuda_graph"):
         return None
     if _arg(args, "enable_piecewise_cuda_graph") and not _arg(args, "disable_piecewise_cuda_graph"):
         return "enable_piecewise_cuda_graph"

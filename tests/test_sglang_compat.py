@@ -19,6 +19,9 @@ sys.path.insert(0, SHIMS)
     ({"device": "cuda", "cuda_graph_backend_prefill": "disabled"}, None),
     ({"device": "cuda", "enable_piecewise_cuda_graph": True}, "enable_piecewise_cuda_graph"),
     ({"device": "cuda", "enable_piecewise_cuda_graph": True, "disable_piecewise_cuda_graph": True}, None),
+    # 0.5.10-0.5.14: piecewise prefill graphs on by default; --disable-cuda-graph leaves them on
+    ({"device": "cuda", "disable_cuda_graph": True, "disable_piecewise_cuda_graph": False}, compat.PIECEWISE_DEFAULT_ON),
+    ({"device": "cuda", "disable_cuda_graph": True, "disable_piecewise_cuda_graph": True}, None),
 ])
 def test_prefill_graph_detection_from_flags(args, expect):
     import sglang.srt.model_executor.cuda_graph_config  # noqa: F401  the real module, unpublished here
@@ -48,3 +51,15 @@ def test_relevant_flags_keep_scalars_only():
 
 def test_sglang_version_is_read_from_metadata():
     assert compat.sglang_version() == "0.5.23"
+
+
+def test_the_flags_that_keep_prefill_eager_are_asked_of_the_release():
+    from hs_capture.cli.serve_cmd import graph_off_flags
+    from tests.sglang_cpu.matrix import release_pythons
+
+    pythons = release_pythons()
+    assert graph_off_flags(pythons["0.5.23"]) == ["--disable-cuda-graph"]  # no piecewise flag left
+    if "0.5.10" in pythons:  # where bin/setup_sglang_venv.sh 0.5.10 made it
+        assert graph_off_flags(pythons["0.5.10"]) == ["--disable-cuda-graph", "--disable-piecewise-cuda-graph"]
+    assert compat.prefill_graph_off_flags({"disable_piecewise_cuda_graph"}) == [
+        "--disable-cuda-graph", "--disable-piecewise-cuda-graph"]

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
-from typing import Tuple
+from typing import List, Tuple
 
 import click
 
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
 
 # The flags capture needs, each for a reason (README "Launcher"):
+# Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
+# A capture run decodes one token per request, so decode graphs buy nothing either. Which
+# flags turn them off depends on the release: asked of the server's own Python.
 CAPTURE_FLAGS = (
-    # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
-    # A capture run decodes one token per request, so decode graphs buy nothing either.
-    "--disable-cuda-graph",
     # A radix-cache prefix hit is never recomputed: that sample's capture would start past 0.
     "--disable-radix-cache",
     # The warmup request is not the user's data.
@@ -32,12 +34,28 @@ def pythonpath() -> None:
     click.echo(HOOK_DIR)
 
 
+_PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+          "from hs_capture.sglang_compat import prefill_graph_off_flags, server_arg_names; "
+          "print(json.dumps(prefill_graph_off_flags(server_arg_names())))")
+
+
+def graph_off_flags(python: str) -> List[str]:
+    """The flags that keep prefill eager in the sglang `python` runs (feature-detected there)."""
+    package_parent = os.path.dirname(os.path.dirname(HOOK_DIR))
+    try:
+        out = subprocess.run([python, "-c", _PROBE, package_parent], capture_output=True, text=True, timeout=300,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")})
+        return list(json.loads(out.stdout.strip().splitlines()[-1]))
+    except Exception:  # that python cannot tell: the flag every release has (the hook still checks)
+        return ["--disable-cuda-graph"]
+
+
 def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> Tuple[list, dict]:
     env = dict(os.environ)
     env["HSCAP_DIR"] = os.path.abspath(dump_dir)
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     given = set(a.split("=", 1)[0] for a in sglang_args)
-    flags = [f for f in CAPTURE_FLAGS if f not in given]
+    flags = [f for f in (*graph_off_flags(python), *CAPTURE_FLAGS) if f not in given]
     return [python, "-m", "sglang.launch_server", *flags, *sglang_args], env
 
 
@@ -51,8 +69,9 @@ def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> T
 def serve(dump_dir: str, layers: str, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
-    Adds --disable-cuda-graph, --disable-radix-cache and --skip-server-warmup (see README);
-    every other flag is passed through.
+    Adds --disable-cuda-graph (and --disable-piecewise-cuda-graph where the release has
+    it: 0.5.10-0.5.14 keep prefill graphs on without it), --disable-radix-cache and
+    --skip-server-warmup (see README); every other flag is passed through.
     """
     cmd, env = build_command(dump_dir, sglang_args, python)
     if layers:

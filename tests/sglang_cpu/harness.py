@@ -4,6 +4,7 @@ and compare with transformers. Used by the tests and by bin/hscap-demo."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,11 +21,11 @@ SHIMS = os.path.join(HERE, "shims")
 HOOK_DIR = os.path.join("hs_capture", "sitecustomize")  # relative: the documented form
 LAUNCHER = os.path.join(REPO, "bin", "hscap-serve")
 
-# Flags this CPU needs (see README.md here); capture itself needs none of them but
-# --disable-cuda-graph, which is a no-op on the CPU.
+# Flags this CPU needs (see README.md here). Capture itself needs none of them but the
+# prefill-graph flags, added per release by graph_flags().
 CPU_FLAGS = [
     "--device", "cpu", "--skip-tokenizer-init", "--attention-backend", "torch_native",
-    "--grammar-backend", "none", "--disable-cuda-graph", "--sampling-backend", "pytorch",
+    "--grammar-backend", "none", "--sampling-backend", "pytorch",
     "--max-total-tokens", "8192", "--context-length", "4096", "--mem-fraction-static", "0.05",
     "--host", "127.0.0.1", "--log-level", "warning",
 ]
@@ -66,6 +67,15 @@ def server_env(dump_dir: Optional[str], hook: bool = True, **extra: str) -> Dict
     return env
 
 
+@functools.lru_cache(maxsize=None)
+def graph_flags(python: str) -> tuple:
+    """What `hscap serve` adds to keep prefill eager in that python's release (0.5.10 would
+    otherwise build piecewise CUDA graphs, and fail on this CPU)."""
+    from hs_capture.cli.serve_cmd import graph_off_flags
+
+    return tuple(graph_off_flags(python))
+
+
 class Server:
     """One real `python -m sglang.launch_server`, in its own process group."""
 
@@ -77,7 +87,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, "--port", "PORT", *extra_flags]
+        flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, *graph_flags(python or sys.executable),
+                 "--port", "PORT", *extra_flags]
         self._cmd = [*launcher, *flags] if launcher else [python or sys.executable, "-m", "sglang.launch_server", *flags]
         self._env = env
         self._log = open(log_path, "wb")
