@@ -23,6 +23,9 @@ if [ -f "requirements/sglang-$V.txt" ]; then pip install -r "requirements/sglang
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 if [ -d "tests/sglang_cpu/compat/$V" ]; then
   echo "$PWD/tests/sglang_cpu/compat/$V" > "$SITE/hscap_test_compat.pth"
+  if [ -f "tests/sglang_cpu/compat/$V/hscap_test_compat.py" ]; then  # a release without plugin entry points
+    echo "import hscap_test_compat" >> "$SITE/hscap_test_compat.pth"
+  fi
 else
   rm -f "$SITE/hscap_test_compat.pth"
 fi

@@ -1,10 +1,10 @@
-"""What to take from a DeepSeek forward, and how to hand SGLang back what it expects.
+"""What to take from a target's forward, and how to hand SGLang back what it expects.
 
-Patching lives in instrumentor.py; this module is the logic behind the two wrappers:
-`setup_model` (after `DeepseekV2ForCausalLM.__init__`) and `ModelCapture.forward`
-(around `DeepseekV2Model.forward`). SGLang's own capture does the work on the GPU:
-`model.layers_to_capture` makes the forward return `(hidden, aux)`, taken after the
-fused all-reduce, so it is right under TP > 1.
+Patching lives in instrumentor.py; this module is the logic behind the two wrappers of
+every target (targets.py): `setup_model` (after `<Family>ForCausalLM.__init__`) and
+`ModelCapture.forward` (around `<Family>Model.forward`). SGLang's own capture does the
+work on the GPU: the layers it is told to capture make the forward return `(hidden, aux)`,
+taken after the fused all-reduce, so it is right under TP > 1.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ _writers: "weakref.WeakSet[ShardWriter]" = weakref.WeakSet()
 
 
 class ModelCapture:
-    """Per-`DeepseekV2Model` state. Kept in the instance __dict__ as `_hscap_state`."""
+    """Per-Model (`DeepseekV2Model`, `LlamaModel`, ...) state. Kept in the instance __dict__
+    as `_hscap_state`."""
 
     def __init__(self, layers: List[int], host_layers: List[int], hidden_size: int,
                  writer: Optional[ShardWriter], parent: Any, select: str = LIST) -> None:

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from tests.sglang_cpu.harness import REPO
+from tests.sglang_cpu.harness import REPO, SHIMS
+
+sys.path.insert(0, SHIMS)  # the import-only vllm stand-in SGLang needs on a CPU machine (in-process tests)
 
 HOOK = os.path.join(REPO, "hs_capture", "sitecustomize")
 
@@ -46,6 +48,15 @@ def test_a_ready_environment_and_what_the_flags_mean(tmp_path, other_sitecustomi
     assert f["tensor parallel"]["status"] == "info" and "TP rank 0 writes" in f["tensor parallel"]["detail"]
 
 
+def in_process(argv):
+    """diagnose() in this process (sglang is imported once here): the judgement of flags and
+    models. The subprocess tests above prove the command itself."""
+    from hs_capture.doctor import BLOCK, diagnose
+
+    findings = {f.topic: f for f in diagnose(argv)}
+    return (1 if any(f.status == BLOCK for f in findings.values()) else 0), findings
+
+
 @pytest.mark.parametrize("flags,topic,status", [
     (("--cuda-graph-backend-prefill", "breakable"), "prefill CUDA graphs", "block"),
     (("--disable-cuda-graph",), "radix cache", "warn"),
@@ -53,15 +64,17 @@ def test_a_ready_environment_and_what_the_flags_mean(tmp_path, other_sitecustomi
     (("--disable-cuda-graph", "--tp", "2", "--dp", "2", "--enable-dp-attention"), "dp attention", "info"),
     ((), "prefill CUDA graphs", None),  # no flags given: not judged
 ])
-def test_flags_that_break_or_thin_capture(tmp_path, flags, topic, status):
-    code, f = doctor(tmp_path, *(("--model-path", "m") + flags if flags else ()))
+def test_flags_that_break_or_thin_capture(tmp_path, monkeypatch, flags, topic, status):
+    monkeypatch.setenv("HSCAP_DIR", str(tmp_path / "dump"))
+    monkeypatch.syspath_prepend(HOOK)
+    code, f = in_process(("--model-path", "m") + flags if flags else ())
     if status is None:
         assert topic not in f and code == 0
         return
-    assert f[topic]["status"] == status
+    assert f[topic].status == status
     assert code == (1 if status == "block" else 0)
     if status in ("block", "warn"):
-        assert f[topic]["action"]
+        assert f[topic].action
 
 
 def test_a_shadowed_hook_or_no_dump_dir_blocks(tmp_path, other_sitecustomize):
@@ -83,14 +96,16 @@ def _checkpoint(tmp_path, name, arch):
 @pytest.mark.parametrize("arch,family", [  # a class of its own, and one covered through another
     ("Qwen3MoeForCausalLM", "qwen3_moe"), ("KimiK25ForConditionalGeneration", "deepseek"),
 ])
-def test_every_family_is_found_and_the_served_model_is_judged(tmp_path, arch, family):
-    code, f = doctor(tmp_path, "--model-path", _checkpoint(tmp_path, "m", arch), "--disable-cuda-graph",
-                     "--disable-radix-cache")
-    assert code == 0
+def test_every_family_is_found_and_the_served_model_is_judged(tmp_path, monkeypatch, arch, family):
+    monkeypatch.setenv("HSCAP_DIR", str(tmp_path / "dump"))
+    monkeypatch.syspath_prepend(HOOK)
+    code, f = in_process(("--model-path", _checkpoint(tmp_path, "m", arch), "--disable-cuda-graph",
+                          "--disable-radix-cache"))
+    assert code == 0, {k: v for k, v in f.items() if v.status == "block"}
     for target in ("DeepseekV2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        assert f[f"target {target}"]["status"] == "ok", f[f"target {target}"]
-    assert "layer_flags selection" in f["target Qwen3MoeForCausalLM"]["detail"]
-    assert f["model"]["status"] == "ok" and f"the {family} target" in f["model"]["detail"]
+        assert f[f"target {target}"].status == "ok", f[f"target {target}"]
+    assert "layer_flags selection" in f["target Qwen3MoeForCausalLM"].detail
+    assert f["model"].status == "ok" and f"the {family} target" in f["model"].detail
 
 
 def test_a_model_no_target_captures_blocks(tmp_path):

@@ -45,6 +45,33 @@ def test_wraps_the_defining_classes_once(dsv2, instrumented):
         assert owner is dsv2.DeepseekV2ForCausalLM
 
 
+def test_every_family_is_wrapped_on_its_defining_classes_and_unwrapped_again(clean_env):
+    import importlib
+
+    from hs_capture.instrumentor import HsCaptureInstrumentor, is_ours
+    from hs_capture.targets import TARGETS
+
+    def owner(cls, attr):
+        return next(k for k in cls.__mro__ if attr in vars(k))
+
+    mods = {t: importlib.import_module(t.module) for t in TARGETS}
+    slots = [(owner(getattr(mods[t], name), attr), attr) for t in TARGETS
+             for name, attr in ((t.causal_lm, "__init__"), (t.model, "forward"))]
+    originals = {slot: vars(slot[0])[slot[1]] for slot in slots}
+    inst = HsCaptureInstrumentor()
+    assert inst.instrument()
+    try:
+        for klass, attr in slots:
+            current = vars(klass)[attr]
+            assert is_ours(current) and not is_wrapped(current.__wrapped__), (klass, attr)
+        # Qwen3-MoE's forward is Qwen2MoeModel's: wrapped where it is defined
+        assert owner(mods[TARGETS[-1]].Qwen3MoeModel, "forward").__name__ == "Qwen2MoeModel"
+    finally:
+        inst.uninstrument()
+    for (klass, attr), original in originals.items():
+        assert vars(klass)[attr] is original
+
+
 def test_repeat_instrument_warns_and_stacks_nothing(dsv2, instrumented):
     before = vars(dsv2.DeepseekV2Model)["forward"]
     assert instrumented.instrument() is False
