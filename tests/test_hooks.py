@@ -300,3 +300,50 @@ def test_a_pip_installed_copy_ships_the_hook(tmp_path):
     assert os.path.samefile(printed, hook_dir)
     res, _ = _probe(tmp_path, str(hook_dir), {"HSCAP_DIR": str(tmp_path / "d")})
     assert res["loaded"] is True and res["run_id"] and res["user_site"] == "user sitecustomize ran"
+
+
+def _flag_forward(model, hidden_size=4, tokens=3):
+    """Qwen2MoeModel.forward's contract (Qwen3-MoE): a layer's input is captured when that
+    layer carries `_is_layer_to_capture`; the list attribute is not read."""
+
+    def forward(input_ids, positions, forward_batch):
+        aux = [torch.full((tokens, hidden_size), float(i)) for i, layer in enumerate(model.layers)
+               if getattr(layer, "_is_layer_to_capture", False)]
+        final = torch.full((tokens, hidden_size), -1.0)
+        return (final, aux) if aux else final
+
+    return forward
+
+
+def test_layer_flag_families_are_told_through_their_layers_and_the_host_keeps_its_own():
+    from hs_capture.capture import ModelCapture
+    from hs_capture.targets import LAYER_FLAGS
+
+    parent, model = torch.nn.Module(), torch.nn.Module()
+    parent.capture_aux_hidden_states = False
+    model.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(6))
+    model.layers_to_capture = []
+    writer = _Writer()
+    state = ModelCapture([1, 3], [], 4, writer, parent, LAYER_FLAGS)
+    parent.capture_aux_hidden_states = True
+
+    def flagged():
+        return [i for i, layer in enumerate(model.layers) if getattr(layer, "_is_layer_to_capture", False)]
+
+    out = state.forward(_flag_forward(model), model, (None, None, _batch()), {})
+    assert flagged() == [1, 3] and out[1] is None
+    tensors = writer.steps[0][1]
+    assert tensors["L01"][0, 0] == 1.0 and tensors["L03"][0, 0] == 3.0
+    state.forward(_flag_forward(model), model, (None, None, _batch("DECODE")), {})
+    assert flagged() == [] and len(writer.steps) == 1
+    # SGLang's own EAGLE-3 (Qwen2MoeModel.set_eagle3_layers_to_capture): a new list, its flags
+    model.layers_to_capture = [2]
+    model.layers[2]._is_layer_to_capture = True
+    out = state.forward(_flag_forward(model), model, (None, None, _batch()), {})
+    assert flagged() == [1, 2, 3] and [a[0, 0].item() for a in out[1]] == [2.0]
+    tensors = writer.steps[1][1]
+    assert sorted(tensors) == ["L01", "L03", "final", "positions", "tokens"] and tensors["L03"][0, 0] == 3.0
+    state.forward(_flag_forward(model), model, (None, None, _batch("DECODE")), {})
+    assert flagged() == [2]
+    state.restore(model)
+    assert flagged() == [2] and model.layers_to_capture == [2]
