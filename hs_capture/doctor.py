@@ -173,6 +173,16 @@ def parse_server_flags(argv: Sequence[str]) -> Any:
     return ns
 
 
+def _graph_off_flags() -> List[str]:
+    """The flags this release needs to keep every prefill eager (feature-detected)."""
+    from .sglang_compat import prefill_graph_off_flags, server_arg_names
+
+    try:
+        return prefill_graph_off_flags(server_arg_names())
+    except Exception:
+        return ["--disable-cuda-graph"]
+
+
 def check_flags(argv: Sequence[str]) -> List[Finding]:
     from .sglang_compat import _arg, prefill_graph_state
 
@@ -184,14 +194,15 @@ def check_flags(argv: Sequence[str]) -> List[Finding]:
         return [Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
     out = []
     graph = prefill_graph_state(ns)
+    off = " ".join(_graph_off_flags())
     device = str(_arg(ns, "device") or "cuda")
     if graph:
         out.append(Finding("prefill CUDA graphs", BLOCK, f"on ({graph}): the hook refuses to start, since captures "
-                           "would silently vanish", "add --disable-cuda-graph (hscap serve does)"))
+                           "would silently vanish", f"add {off} (hscap serve does)"))
     elif device in ("cuda", "gpu") and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")):
         out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ may turn breakable prefill "
                            "graphs on for DeepSeek on Hopper, and the hook would then refuse to start",
-                           "add --disable-prefill-cuda-graph or --disable-cuda-graph (hscap serve does)"))
+                           f"add {off} (hscap serve does)"))
     else:
         out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
     if not _arg(ns, "disable_radix_cache"):
