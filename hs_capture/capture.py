@@ -10,7 +10,6 @@ taken after the fused all-reduce, so it is right under TP > 1.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import socket
@@ -24,7 +23,7 @@ from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
 from .log import get_logger
 from .sglang_compat import parallel_info, prefill_graph_state, relevant_flags, server_args, sglang_version
-from .targets import LAYER_FLAGS, LIST, Target
+from .targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from .writer import ShardWriter, dtype_name
 
 log = get_logger()
@@ -227,11 +226,6 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     if model is None or not hasattr(model, "layers_to_capture"):
         log.info("%s has no layers_to_capture (a NextN/MTP draft?): not captured", type(causal_lm).__name__)
         return None
-    if not _forward_is_hooked(model):
-        # a subclass built another Model around our __init__ (Llama4 over Llama, say)
-        log.info("%s: %s.forward is not a patched target: not captured", type(causal_lm).__name__,
-                 type(model).__name__)
-        return None
     par = parallel_info(getattr(causal_lm, "pp_group", None))
     if not par.is_last_pp_rank:
         log.info("pp rank %d is not the last stage: it holds no captures", par.rank.pp)
@@ -277,23 +271,6 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     return state
 
 
-def _served_architectures(model_path: Any) -> List[str]:
-    """What the server was asked to serve: a wrapper (Kimi-K2.5) builds the captured
-    CausalLM from its text_config, whose architectures name only the inner class."""
-    try:
-        with open(os.path.join(str(model_path), "config.json")) as f:
-            return [str(a) for a in json.load(f).get("architectures") or []]
-    except Exception:  # a hub id, or unreadable: the inner class is recorded anyway
-        return []
-
-
-def _forward_is_hooked(model: Any) -> bool:
-    for klass in type(model).__mro__:
-        if "forward" in vars(klass):
-            return bool(getattr(vars(klass)["forward"], "_self_hscap_wrapper", False))
-    return False
-
-
 def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
     """Host bytes of one full step: packed aux, final, input_ids, positions."""
     if rows <= 0:
@@ -314,7 +291,9 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, 
         "pid": os.getpid(),
         "model_path": flags.get("model_path"),
         "architectures": list(getattr(hf_config, "architectures", None) or []),
-        "served_architectures": _served_architectures(flags.get("model_path")),
+        # a wrapper (Kimi-K2.5) builds the captured CausalLM from its text_config, whose
+        # architectures name only the inner class: record what the checkpoint says too
+        "served_architectures": checkpoint_architectures(flags.get("model_path")) or [],
         "model_type": getattr(hf_config, "model_type", None),
         "num_layers": int(hf_config.num_hidden_layers),
         "hidden_size": int(hf_config.hidden_size),

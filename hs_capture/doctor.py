@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -17,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import config as config_mod
 from .package import _instruments
-from .targets import COVERED, TARGETS, Target, for_architecture
+from .targets import COVERED, TARGETS, Target, checkpoint_architectures, for_architecture
 
 OK, INFO, WARN, BLOCK = "ok", "info", "warn", "block"
 HOOK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize")
@@ -104,10 +103,8 @@ def check_targets() -> List[Finding]:
 
 def check_model(model_path: str) -> List[Finding]:
     """Is the model the server is given captured at all? (local checkpoints only)"""
-    try:
-        with open(os.path.join(model_path, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-    except Exception:
+    archs = checkpoint_architectures(model_path)
+    if archs is None:
         return [Finding("model", INFO, f"{model_path}: no local config.json to read; not judged")]
     if not archs:
         return [Finding("model", WARN, f"{model_path}/config.json names no architectures")]
@@ -183,15 +180,10 @@ def _graph_off_flags() -> List[str]:
         return ["--disable-cuda-graph"]
 
 
-def check_flags(argv: Sequence[str]) -> List[Finding]:
+def check_flags(ns: Any) -> List[Finding]:
+    """What the parsed server flags (parse_server_flags) do to capture."""
     from .sglang_compat import _arg, prefill_graph_state
 
-    try:
-        ns = parse_server_flags(argv)
-    except SystemExit:
-        return [Finding("flags", WARN, "sglang's parser rejected the flags given after --")]
-    except Exception as e:
-        return [Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
     out = []
     graph = prefill_graph_state(ns)
     off = " ".join(_graph_off_flags())
@@ -237,18 +229,16 @@ def diagnose(server_argv: Sequence[str] = ()) -> List[Finding]:
         return findings + check_sitecustomize() + check_settings()
     findings += check_targets() + check_sitecustomize() + check_settings()
     if server_argv:
-        findings += check_flags(server_argv)
-        model_path = _model_path(server_argv)
-        if model_path:
-            findings += check_model(model_path)
+        try:
+            ns = parse_server_flags(server_argv)
+        except SystemExit:
+            return findings + [Finding("flags", WARN, "sglang's parser rejected the flags given after --")]
+        except Exception as e:
+            return findings + [Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
+        findings += check_flags(ns)
+        if getattr(ns, "model_path", None):
+            findings += check_model(ns.model_path)
     return findings
-
-
-def _model_path(argv: Sequence[str]) -> Optional[str]:
-    try:
-        return getattr(parse_server_flags(argv), "model_path", None)
-    except BaseException:  # the parser's SystemExit: check_flags already said so
-        return None
 
 
 def as_dicts(findings: List[Finding]) -> List[Dict[str, str]]:

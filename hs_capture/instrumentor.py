@@ -55,6 +55,13 @@ def _wrap(cls: type, attr: str, wrapper: Callable) -> str:
     return "wrapped"
 
 
+def _forward_is_ours(model: Any) -> bool:
+    try:
+        return is_ours(vars(_defining_class(type(model), "forward"))["forward"])
+    except AttributeError:
+        return False
+
+
 def _unwrap(cls: type, attr: str) -> None:
     owner = _defining_class(cls, attr)
     current = vars(owner)[attr]
@@ -120,6 +127,11 @@ class HsCaptureInstrumentor:
             inner = getattr(instance, "model", None)
             if inner is not None and "_hscap_state" in inner.__dict__:
                 return  # a subclass's __init__ ran ours twice: one capture per model
+            if hasattr(inner, "layers_to_capture") and not _forward_is_ours(inner):
+                # a subclass built another Model around our __init__ (Llama4 over Llama, say)
+                log.info("%s: %s.forward is not a patched target: not captured", type(instance).__name__,
+                         type(inner).__name__)
+                return
             try:
                 state = setup_model(instance, _bind_config(args, kwargs), target)
             except ConfigError as e:

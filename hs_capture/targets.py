@@ -18,8 +18,10 @@ Qwen2Model's up to 0.5.15).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 LIST, LAYER_FLAGS = "list", "layer_flags"
 
@@ -61,3 +63,13 @@ def for_architecture(arch: str) -> Optional[Target]:
     """The target that captures a model of this architecture, or None."""
     family = next((c.family for c in COVERED if c.architecture == arch), None)
     return next((t for t in TARGETS if t.causal_lm == arch or t.family == family), None)
+
+
+def checkpoint_architectures(model_path: object) -> Optional[List[str]]:
+    """The architectures a local checkpoint's config.json names; None when there is no
+    readable one (a hub id, say)."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            return [str(a) for a in json.load(f).get("architectures") or []]
+    except Exception:
+        return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import random
-import subprocess
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -36,12 +35,6 @@ class Fidelity:
     @property
     def worst(self) -> float:
         return max(self.max_diff.values()) if self.max_diff else float("inf")
-
-
-def sglang_version(python: Optional[str]) -> str:
-    out = subprocess.run([python or "python", "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-                         capture_output=True, text=True, timeout=120)
-    return out.stdout.strip() or "?"
 
 
 def run_fidelity(model_dir: str, workdir: str, num_layers: int, python: Optional[str] = None,
