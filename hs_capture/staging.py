@@ -4,13 +4,24 @@ CUDA tensors are copied asynchronously into pinned host buffers on a side stream
 (`.cpu()` would block the step and run ~47x slower, DESIGN.md section 7); the
 writer thread waits on the copy's event. CPU tensors are cloned: SGLang reuses
 its buffers once forward returns.
+
+The side-stream copy runs LATER than the forward's own stream moves on. Under SGLang's
+overlap scheduler the next batch is loaded as soon as this forward is enqueued, and since
+0.5.15 every forward reads its input_ids and positions from fixed buffers that the next
+batch's `load_batch` refills on the forward stream (the eager runner's input registry,
+shared with the CUDA-graph runners). A side stream that only waited for this forward races
+that refill and copies the next batch's tokens. `record_stream` cannot help: it guards
+memory the caching allocator frees, not buffers SGLang keeps and rewrites. So anything that
+may live in such a buffer (the batch's inputs, and any view into a larger storage) is first
+cloned on the forward's own stream, which orders the clone before any later write there;
+the side stream then copies the clone.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Collection, Dict, List, Optional, Protocol
 
 import torch
 
@@ -22,7 +33,8 @@ class PinnedPool:
 
     GRANULE = 2 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
+        self._pin = pin  # False only for a CPU copier (tests): pinning needs a CUDA driver
         self._free: List[torch.Tensor] = []  # sorted by size
         self._lock = threading.Lock()
         self.pinned_bytes = 0
@@ -30,7 +42,7 @@ class PinnedPool:
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
         size = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
         with self._lock:
             self.pinned_bytes += size
         return buf
@@ -71,12 +83,65 @@ class Staged:
             self.event.synchronize()
 
 
+class AsyncCopier(Protocol):
+    """How device tensors reach host buffers after the forward. `own` runs on the producing
+    (forward) stream, in its order; `copy` is enqueued to run later; `finish` returns what
+    `Staged.ready()` waits on."""
+
+    pin_memory: bool
+
+    def own(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def begin(self) -> None: ...
+
+    def copy(self, host: torch.Tensor, t: torch.Tensor) -> None: ...
+
+    def finish(self) -> object: ...
+
+
+class CudaSideStream:
+    """The copy on one side stream that waits for the forward's stream at submit."""
+
+    pin_memory = True
+
+    def __init__(self) -> None:
+        self._stream = torch.cuda.Stream()
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()  # on the current (forward) stream: ordered before the next batch's refill
+
+    def begin(self) -> None:
+        self._stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished forward
+
+    def copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        with torch.cuda.stream(self._stream):
+            if not t.is_contiguous():
+                t = t.contiguous()  # rare (a strided view): one device copy, on the side stream
+            host.copy_(t, non_blocking=True)
+            # Keep the caching allocator from handing this memory to the next step before
+            # our copy has read it (tensors the forward allocated, and our own clones).
+            t.record_stream(self._stream)
+
+    def finish(self) -> object:
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event
+
+
+def may_be_refilled(t: torch.Tensor) -> bool:
+    """A view into a larger storage: possibly a buffer SGLang keeps and refills for the next
+    batch (input registries, CUDA-graph outputs), not memory this forward allocated for itself."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 class Stager:
-    def __init__(self, expected_rows: int = 0, budget_bytes: int = 4 << 30, prewarm_steps: int = 0) -> None:
+    def __init__(self, expected_rows: int = 0, budget_bytes: int = 4 << 30, prewarm_steps: int = 0,
+                 copier: Optional[AsyncCopier] = None) -> None:
         """prewarm_steps: full-size steps to pin ahead; 0 = as many as the in-flight budget holds,
-        so that in steady state no forward ever pins (past the budget the writer blocks it)."""
-        self._pool = PinnedPool()
-        self._stream = None
+        so that in steady state no forward ever pins (past the budget the writer blocks it).
+        copier: how device tensors are copied (default: a CUDA side stream, made on first use)."""
+        self._copier = copier
+        self._pool = PinnedPool(pin=copier.pin_memory if copier is not None else True)
         self._expected_rows = expected_rows
         self._budget = budget_bytes
         self._prewarm_steps = prewarm_steps
@@ -111,33 +176,29 @@ class Stager:
             sizes.append(rows * row_bytes)
         return sizes
 
-    def stage(self, tensors: Dict[str, torch.Tensor]) -> Staged:
+    def stage(self, tensors: Dict[str, torch.Tensor], inputs: Collection[str] = ()) -> Staged:
+        """Start copying one step's tensors to the host. `inputs`: names of tensors that come
+        from the batch's inputs (always owned first: SGLang refills them for the next batch)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if not any(t.is_cuda for t in tensors.values()):
-            return Staged({k: t.detach().contiguous().clone() for k, t in tensors.items()}, nbytes)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        main = torch.cuda.current_stream()
+        copier = self._copier
+        if copier is None:
+            if not any(t.is_cuda for t in tensors.values()):
+                # synchronous: nothing can change under a clone taken now
+                return Staged({k: t.detach().contiguous().clone() for k, t in tensors.items()}, nbytes)
+            copier = self._copier = CudaSideStream()
+        owned = {k: copier.own(t.detach()) if k in inputs or may_be_refilled(t) else t.detach()
+                 for k, t in tensors.items()}
+        copier.begin()
         out: Dict[str, torch.Tensor] = {}
         buffers: List[torch.Tensor] = []
-        side = self._stream
-        side.wait_stream(main)  # the copy must see the finished forward
-        with torch.cuda.stream(side):
-            for name, t in tensors.items():
-                t = t.detach()
-                if not t.is_contiguous():
-                    t = t.contiguous()  # rare (a strided view): one device copy, on the side stream
-                buf = self._pool.take(t.numel() * t.element_size())
-                buffers.append(buf)
-                host = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                host.copy_(t, non_blocking=True)
-                # Keep the caching allocator from handing this memory to the next
-                # step before our copy has read it.
-                t.record_stream(side)
-                out[name] = host
-            event = torch.cuda.Event()
-            event.record(side)
-        if not self._prewarmed:
+        for name, t in owned.items():
+            buf = self._pool.take(t.numel() * t.element_size())
+            buffers.append(buf)
+            host = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            copier.copy(host, t)
+            out[name] = host
+        event = copier.finish()
+        if not self._prewarmed and copier.pin_memory:
             self.prewarm_async(self._step_sizes(tensors))
         return Staged(out, nbytes, event, buffers)
 

@@ -24,10 +24,13 @@ from . import format as fmt
 from .config import CaptureConfig, ConfigError
 from .layout import RankId, index_path, rank_meta_path, step_file, temp_name
 from .log import get_logger
-from .staging import Staged, Stager
+from .staging import AsyncCopier, Staged, Stager
 
 log = get_logger()
 _RESERVE_BYTES = 256 << 10
+# The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
+# next batch while this step is still being copied: staging owns them first (staging.py).
+_INPUT_PARTS = ("tokens", "positions")
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                       torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
 
@@ -89,13 +92,15 @@ class _Budget:
 class ShardWriter:
     """One per writing rank. `submit` is the only call on the forward's critical path."""
 
-    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any], expected_rows: int = 0) -> None:
-        """expected_rows: the most tokens one step can hold (chunked prefill size), for pinning ahead."""
+    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any], expected_rows: int = 0,
+                 copier: Optional[AsyncCopier] = None) -> None:
+        """expected_rows: the most tokens one step can hold (chunked prefill size), for pinning ahead.
+        copier: how device tensors reach the host (default: a CUDA side stream; see staging.py)."""
         self.cfg = cfg
         self.rank = rank
         self.run_dir = cfg.run_dir
         self.run_meta = dict(run_meta)
-        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps)
+        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
         self._budget = _Budget(cfg.max_inflight_bytes)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._index_lock = threading.Lock()
@@ -181,7 +186,7 @@ class ShardWriter:
                         self.rank.tag, step, meta.get("num_tokens", 0))
             return False
         try:
-            staged = self._stager.stage(tensors)
+            staged = self._stager.stage(tensors, inputs=_INPUT_PARTS)
         except BaseException:
             self._budget.release(nbytes)
             raise
@@ -279,7 +284,7 @@ class ShardWriter:
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
         dirs = set()
         for part, t in self._parts(staged, aux_layers).items():
-            if part in ("tokens", "positions"):
+            if part in _INPUT_PARTS:
                 continue  # stored beside the final state, below
             rel = step_file(self.rank, step, part)
             tensors = [fmt.RawTensor("hidden", dtype_name(t.dtype), list(t.shape), _bytes_of(t))]

@@ -1,0 +1,115 @@
+"""The overlap-scheduler race, reproduced on a CPU (found on the H200, sglang 0.5.15).
+
+On a GPU the host copy of a step runs on a side stream, later than the forward's own stream
+moves on; under SGLang's overlap scheduler the next batch's `load_batch` refills the fixed
+input buffers (input_ids, positions) that this step's forward read. A copier whose copies run
+only when the writer waits for them (DeferredCopier) is that side stream on a CPU: refill the
+buffers after submit, and the stored step must still be the step that was submitted.
+"""
+
+import numpy as np
+import torch
+
+from hs_capture.config import CaptureConfig
+from hs_capture.layout import RankId
+from hs_capture.reader import open_runs, stitch
+from hs_capture.staging import Stager, may_be_refilled
+from hs_capture.writer import ShardWriter
+
+H = 32
+
+
+class DeferredCopier:
+    """Copies run when the writer waits on the step (as a side stream's run after the forward's
+    stream has moved on); `own` runs at once (as a clone on the forward's stream does)."""
+
+    pin_memory = False
+
+    def __init__(self) -> None:
+        self.pending = []
+        self.owned = 0
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        self.owned += 1
+        return t.clone()
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        self.pending.append((host, t))
+
+    def finish(self):
+        pending, self.pending = self.pending, []
+
+        class Done:
+            def synchronize(self) -> None:
+                for host, t in pending:
+                    host.copy_(t)
+
+        return Done()
+
+
+class InputRegistry:
+    """SGLang 0.5.15's eager-runner input buffers: fixed, sliced per batch, refilled by the next."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.input_ids = torch.zeros(capacity, dtype=torch.int64)
+        self.positions = torch.zeros(capacity, dtype=torch.int64)
+
+    def load_batch(self, tokens: torch.Tensor, start: int):
+        n = tokens.numel()
+        self.input_ids[:n] = tokens
+        self.positions[:n] = torch.arange(start, start + n)
+        return self.input_ids[:n], self.positions[:n]
+
+
+def test_inputs_refilled_by_the_next_batch_are_staged_as_they_were():
+    reg = InputRegistry()
+    tokens_a = torch.arange(100, 140)
+    ids, pos = reg.load_batch(tokens_a, start=0)
+    final = torch.randn(40, H)
+    stager = Stager(copier=DeferredCopier())
+    staged = stager.stage({"final": final, "tokens": ids, "positions": pos}, inputs=("tokens", "positions"))
+    reg.load_batch(torch.arange(900, 960), start=500)  # the next batch, before the copy ran
+    staged.ready()
+    assert torch.equal(staged.tensors["tokens"], tokens_a)
+    assert torch.equal(staged.tensors["positions"], torch.arange(0, 40))
+    assert torch.equal(staged.tensors["final"], final)
+
+
+def test_a_state_in_a_larger_buffer_is_owned_and_a_fresh_one_is_not_copied_twice():
+    out_buf = torch.zeros(256, H)  # e.g. a CUDA graph's static output buffer
+    out_buf[:40] = torch.randn(40, H)
+    want = out_buf[:40].clone()
+    fresh = torch.randn(40, 3 * H)  # what the forward allocated for this step
+    copier = DeferredCopier()
+    staged = Stager(copier=copier).stage({"final": out_buf[:40], "aux": fresh})
+    out_buf.zero_()
+    staged.ready()
+    assert torch.equal(staged.tensors["final"], want)
+    assert copier.owned == 1  # only the view: the fresh 3H tensor is copied once, straight to the host
+    assert may_be_refilled(out_buf[:40]) and not may_be_refilled(fresh)
+
+
+def test_the_writer_stores_the_submitted_step_when_its_input_buffers_are_refilled(tmp_path):
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1], fsync=False)
+    w = ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1], "hidden_size": H}, copier=DeferredCopier())
+    w.start()
+    reg = InputRegistry()
+    want = {}
+    for i, (rid, n) in enumerate((("a", 30), ("b", 50), ("c", 20))):
+        tokens = torch.arange(1000 * (i + 1), 1000 * (i + 1) + n)
+        ids, pos = reg.load_batch(tokens, start=0)
+        final, aux = torch.randn(n, H), torch.randn(n, H)
+        want[rid] = (tokens, final, aux)
+        meta = {"mode": "EXTEND", "num_tokens": n, "seqs": [{"rid": rid, "len": n, "prefix": 0, "offset": 0}]}
+        w.submit(meta, {"final": final, "aux": aux, "tokens": ids, "positions": pos}, aux_layers=[1])
+    reg.load_batch(torch.full((200,), 7), start=4000)  # a later batch refills before the writer copies
+    assert w.close()
+    samples = stitch(open_runs(str(tmp_path))[0])
+    assert sorted(samples) == ["a", "b", "c"]
+    for rid, (tokens, final, aux) in want.items():
+        s = samples[rid]
+        assert s.complete and np.array_equal(s.input_ids, tokens.numpy()), rid
+        assert np.array_equal(s.final, final.numpy()) and np.array_equal(s.layers[1], aux.numpy()), rid
