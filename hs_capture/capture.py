@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import weakref
+from dataclasses import asdict
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,7 +23,8 @@ import torch
 from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
 from .log import get_logger
-from .sglang_compat import parallel_info, prefill_graph_state, relevant_flags, server_args, sglang_version
+from .modes import ServerModes, read_modes
+from .sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from .targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from .writer import ShardWriter, dtype_name
 
@@ -234,17 +236,14 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     num_layers = int(hf_config.num_hidden_layers)
     layers = config_mod.resolve_layers(cfg.layers, num_layers)
     args = server_args()
-    graph = prefill_graph_state(args)
-    if graph is not None:
-        raise ConfigError(
-            f"prefill CUDA graphs are on ({graph}): the forward hook would run only at graph capture and "
-            "captures would silently vanish; restart with --disable-prefill-cuda-graph "
-            "(or --cuda-graph-backend-prefill=disabled / --disable-cuda-graph), or use bin/hscap-serve"
-        )
+    modes = read_modes(args)
+    wrong = modes.wrong(" ".join(prefill_off_flags_here()))
+    if wrong:
+        raise ConfigError("; ".join(str(w) for w in wrong))
     writer = None
     if par.writes:
         config_mod.check_dump_dir(cfg.run_dir)
-        meta = _run_meta(cfg, hf_config, layers, args, par)
+        meta = _run_meta(cfg, hf_config, layers, args, par, modes)
         flags = meta["server_flags"]
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)))
@@ -264,6 +263,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
              type(causal_lm).__name__, layers, "entering-layer convention",
              " and pre-norm" if cfg.prenorm else "", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
+    log.info("server modes: %s", modes.describe())
     if writer is not None and meta["server_flags"].get("disable_radix_cache") is False:
         log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
                     "capture starts past position 0; such samples are detected and reported incomplete "
@@ -280,7 +280,8 @@ def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
     return [rows * hidden * k * itemsize, rows * hidden * itemsize, rows * 8, rows * 8]
 
 
-def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, par: Any) -> Dict[str, Any]:
+def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, par: Any,
+              modes: ServerModes) -> Dict[str, Any]:
     flags = relevant_flags(args)
     return {
         "run_id": cfg.run_id,
@@ -305,6 +306,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, 
         "prenorm": cfg.prenorm,
         "parallel": par.as_dict(),
         "server_flags": flags,
+        "server_modes": asdict(modes),
         "codec": cfg.codec,
         "level": cfg.level,
         "on_full": cfg.on_full,

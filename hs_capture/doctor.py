@@ -170,30 +170,28 @@ def parse_server_flags(argv: Sequence[str]) -> Any:
     return ns
 
 
-def _graph_off_flags() -> List[str]:
-    """The flags this release needs to keep every prefill eager (feature-detected)."""
-    from .sglang_compat import prefill_graph_off_flags, server_arg_names
-
-    try:
-        return prefill_graph_off_flags(server_arg_names())
-    except Exception:
-        return ["--disable-cuda-graph"]
-
-
 def check_flags(ns: Any) -> List[Finding]:
     """What the parsed server flags (parse_server_flags) do to capture."""
-    from .sglang_compat import _arg, prefill_graph_state
+    from .modes import read_modes
+    from .sglang_compat import _arg, prefill_off_flags_here
 
     out = []
-    graph = prefill_graph_state(ns)
-    off = " ".join(_graph_off_flags())
+    modes = read_modes(ns)
+    off = " ".join(prefill_off_flags_here())
+    out.append(Finding("scheduler", OK, "overlap (SGLang's default): right, the batch's inputs are copied on the "
+                       "forward's stream before the next batch refills them" if modes.overlap else
+                       "normal (--disable-overlap-schedule): right, but ~7% slower than overlap; the flag is not needed"))
+    out.append(Finding("decode CUDA graphs", OK, f"{modes.decode_graphs}: kept (decode is never captured)"
+                       if modes.decode_graphs else "off: not needed for capture (decode is never captured)"))
+    wrong = modes.wrong(off)
+    out += [Finding(w.what, BLOCK, f"{w.why}: the hook refuses to start", w.fix) for w in wrong]
     device = str(_arg(ns, "device") or "cuda")
-    if graph:
-        out.append(Finding("prefill CUDA graphs", BLOCK, f"on ({graph}): the hook refuses to start, since captures "
-                           "would silently vanish", f"add {off} (hscap serve does)"))
-    elif device in ("cuda", "gpu") and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")):
-        out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ may turn breakable prefill "
-                           "graphs on for DeepSeek on Hopper, and the hook would then refuse to start",
+    if modes.prefill_graphs:
+        pass  # a BLOCK above
+    elif device in ("cuda", "gpu") and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")
+                                            or str(_arg(ns, "cuda_graph_backend_prefill")).lower() == "disabled"):
+        out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ turns breakable prefill "
+                           "graphs on for some models on Hopper (off for MLA), and the hook would then refuse to start",
                            f"add {off} (hscap serve does)"))
     else:
         out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
@@ -202,9 +200,6 @@ def check_flags(ns: Any) -> List[Finding]:
                            "starts past 0 and it is reported incomplete", "add --disable-radix-cache (hscap serve does)"))
     else:
         out.append(Finding("radix cache", OK, "off"))
-    if _arg(ns, "enable_two_batch_overlap"):
-        out.append(Finding("two-batch overlap", WARN, "on: SGLang skips captures for layers >= first_k_dense_replace",
-                           "drop --enable-two-batch-overlap while extracting"))
     pp = int(_arg(ns, "pp_size") or 1)
     if pp > 1:
         out.append(Finding("pipeline parallel", INFO, f"pp {pp}: only the last stage holds the captures and writes"))

@@ -1,6 +1,7 @@
 """What hs_capture reads from SGLang's runtime, found by feature detection (never by
-version string): ranks, server flags, prefill CUDA-graph state. Every probe is
-guarded: a missing helper means "try the next one", never an exception into the host.
+version string): ranks, server flags, the scheduler and CUDA-graph modes. Every probe
+the hook runs is guarded: a missing helper means "try the next one", never an exception
+into the host.
 """
 
 from __future__ import annotations
@@ -131,16 +132,18 @@ PIECEWISE_DEFAULT_ON = ("piecewise prefill CUDA graphs, on by default in this re
 
 
 def prefill_graph_off_flags(server_args_fields: "set[str]") -> List[str]:
-    """The flags that keep every prefill eager in the release whose server-argument names
-    are given (--disable-cuda-graph alone is not enough in 0.5.10-0.5.14)."""
-    flags = ["--disable-cuda-graph"]
-    if "disable_piecewise_cuda_graph" in server_args_fields:
-        flags.append("--disable-piecewise-cuda-graph")
-    return flags
+    """The flags that keep every prefill eager, and leave decode graphs on, in the release whose
+    server-argument names are given. Decode is never captured, so its graphs can stay."""
+    if "disable_prefill_cuda_graph" in server_args_fields:  # 0.5.15+: the prefill phase alone
+        return ["--disable-prefill-cuda-graph"]
+    if "disable_piecewise_cuda_graph" in server_args_fields:  # 0.5.10-0.5.14: the only prefill graphs
+        return ["--disable-piecewise-cuda-graph"]
+    return ["--disable-cuda-graph"]  # a release we cannot tell: the flag every release has
 
 
 def server_arg_names() -> "set[str]":
-    """Every server-argument name of the sglang in this process (dataclass or msgspec)."""
+    """Every server-argument name of the sglang in this process (dataclass or msgspec).
+    Raises where sglang does not import (prefill_off_flags_here guards it)."""
     from sglang.srt.server_args import ServerArgs
 
     names = set(getattr(ServerArgs, "__dataclass_fields__", None) or ())
@@ -149,25 +152,46 @@ def server_arg_names() -> "set[str]":
     return names
 
 
+def prefill_off_flags_here() -> List[str]:
+    """prefill_graph_off_flags of the sglang in this process (the flag every release has, if it
+    cannot tell)."""
+    try:
+        return prefill_graph_off_flags(server_arg_names())
+    except Exception:
+        return ["--disable-cuda-graph"]
+
+
+def _on_cuda(args: Any) -> bool:
+    return str(_arg(args, "device") or "cuda") in ("cuda", "gpu")
+
+
+def _phase_backend(args: Any, phase: str) -> Optional[str]:
+    """The CUDA-graph backend SGLang resolved for a phase ("decode"/"prefill"), where the release
+    publishes one: 0.5.23 in runtime_context.get_exec(), 0.5.15 on the server args."""
+    probes = (lambda: importlib.import_module("sglang.srt.runtime_context").get_exec().graph.cuda_graph_config,
+              lambda: _arg(args, "cuda_graph_config"))
+    for probe in probes:
+        try:
+            cfg = probe()
+        except Exception:
+            continue
+        backend = _attr(_attr(cfg, phase), "backend") if cfg is not None and not isinstance(cfg, (str, dict)) else None
+        if backend is not None:
+            return str(getattr(backend, "value", backend))
+    return None
+
+
 def prefill_graph_state(args: Any) -> Optional[str]:
     """Name of the prefill CUDA-graph mode in effect, or None when prefill runs eagerly.
 
     Under a prefill graph the forward wrapper runs only while the graph is captured,
-    so captures would silently vanish. Published config first (0.5.15+), flags after.
+    so captures would silently vanish. Resolved config first (0.5.15+), flags after.
     """
-    device = str(_arg(args, "device") or "cuda")
-    if device not in ("cuda", "gpu"):
+    if not _on_cuda(args):
         return None  # graphs are CUDA-only; a CPU server always prefills eagerly
-    try:
-        from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
-
-        if not check_cuda_graph_backend(Phase.PREFILL, Backend.DISABLED):
-            cfg = _attr(_call("sglang.srt.runtime_context", "get_exec"), "graph")
-            backend = _attr(_attr(_attr(cfg, "cuda_graph_config"), "prefill"), "backend")
-            if backend is not None:
-                return f"cuda_graph_backend_prefill={backend}"
-    except Exception:
-        pass
+    backend = _phase_backend(args, "prefill")
+    if backend is not None:
+        return None if backend.lower() == "disabled" else f"cuda_graph_backend_prefill={backend}"
     if _arg(args, "disable_prefill_cuda_graph"):
         return None
     piecewise_off = _arg(args, "disable_piecewise_cuda_graph")
@@ -183,3 +207,25 @@ def prefill_graph_state(args: Any) -> Optional[str]:
     if backend not in (None, "disabled", "DISABLED"):
         return f"cuda_graph_backend_prefill={backend}"
     return None
+
+
+def decode_graph_state(args: Any) -> Optional[str]:
+    """Name of the decode CUDA-graph mode in effect, or None when decode runs eagerly. Harmless
+    to capture either way: decode is never captured, and a replay never enters the hook."""
+    if not _on_cuda(args):
+        return None
+    backend = _phase_backend(args, "decode")
+    if backend is not None:
+        return None if backend.lower() == "disabled" else backend
+    if _arg(args, "disable_cuda_graph") or _arg(args, "disable_decode_cuda_graph"):
+        return None
+    backend = _arg(args, "cuda_graph_backend_decode")
+    if backend in ("disabled", "DISABLED"):
+        return None
+    return str(backend or "on")
+
+
+def overlap_scheduler(args: Any) -> bool:
+    """True when SGLang runs its (default) overlap scheduler: the next batch is prepared, and
+    its inputs loaded, while this one still runs."""
+    return not _arg(args, "disable_overlap_schedule")

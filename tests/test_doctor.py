@@ -60,7 +60,11 @@ def in_process(argv):
 @pytest.mark.parametrize("flags,topic,status", [
     (("--cuda-graph-backend-prefill", "breakable"), "prefill CUDA graphs", "block"),
     (("--disable-cuda-graph",), "radix cache", "warn"),
-    (("--disable-cuda-graph", "--enable-two-batch-overlap"), "two-batch overlap", "warn"),
+    (("--disable-cuda-graph", "--enable-two-batch-overlap"), "two-batch overlap", "block"),
+    # the server's defaults: overlap scheduler and decode CUDA graphs, both right with capture
+    (("--disable-prefill-cuda-graph",), "scheduler", "ok"),
+    (("--disable-prefill-cuda-graph",), "decode CUDA graphs", "ok"),
+    (("--disable-prefill-cuda-graph",), "prefill CUDA graphs", "ok"),
     (("--disable-cuda-graph", "--tp", "2", "--dp", "2", "--enable-dp-attention"), "dp attention", "info"),
     ((), "prefill CUDA graphs", None),  # no flags given: not judged
 ])
@@ -73,6 +77,8 @@ def test_flags_that_break_or_thin_capture(tmp_path, monkeypatch, flags, topic, s
         return
     assert f[topic].status == status
     assert code == (1 if status == "block" else 0)
+    if topic == "scheduler":
+        assert "overlap" in f[topic].detail and "on" in f["decode CUDA graphs"].detail
     if status in ("block", "warn"):
         assert f[topic].action
 

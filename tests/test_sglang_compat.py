@@ -58,8 +58,43 @@ def test_the_flags_that_keep_prefill_eager_are_asked_of_the_release():
     from tests.sglang_cpu.matrix import release_pythons
 
     pythons = release_pythons()
-    assert graph_off_flags(pythons["0.5.23"]) == ["--disable-cuda-graph"]  # no piecewise flag left
-    if "0.5.10" in pythons:  # where bin/setup_sglang_venv.sh 0.5.10 made it
-        assert graph_off_flags(pythons["0.5.10"]) == ["--disable-cuda-graph", "--disable-piecewise-cuda-graph"]
-    assert compat.prefill_graph_off_flags({"disable_piecewise_cuda_graph"}) == [
-        "--disable-cuda-graph", "--disable-piecewise-cuda-graph"]
+    # the prefill phase alone: decode CUDA graphs stay on
+    assert graph_off_flags(pythons["0.5.23"]) == ["--disable-prefill-cuda-graph"]
+    if "0.5.15" in pythons:  # where bin/setup_sglang_venv.sh 0.5.15 made it
+        assert graph_off_flags(pythons["0.5.15"]) == ["--disable-prefill-cuda-graph"]
+    if "0.5.10" in pythons:
+        assert graph_off_flags(pythons["0.5.10"]) == ["--disable-piecewise-cuda-graph"]
+    assert compat.prefill_graph_off_flags({"disable_piecewise_cuda_graph"}) == ["--disable-piecewise-cuda-graph"]
+    assert compat.prefill_graph_off_flags({"disable_prefill_cuda_graph", "disable_cuda_graph"}) == [
+        "--disable-prefill-cuda-graph"]
+    assert compat.prefill_graph_off_flags(set()) == ["--disable-cuda-graph"]
+
+
+class _Phase:
+    def __init__(self, backend):
+        self.backend = backend
+
+
+class _GraphConfig:  # sglang 0.5.15's resolved ServerArgs.cuda_graph_config
+    def __init__(self, decode, prefill):
+        self.decode, self.prefill = _Phase(decode), _Phase(prefill)
+
+
+@pytest.mark.parametrize("args, overlap, decode, prefill, wrong", [
+    # 0.5.15, DeepSeek (MLA) with default flags: SGLang itself turns breakable prefill graphs off
+    ({"device": "cuda", "cuda_graph_config": _GraphConfig("full", "disabled")}, True, "full", None, []),
+    ({"device": "cuda", "cuda_graph_config": _GraphConfig("full", "breakable")}, True, "full",
+     "cuda_graph_backend_prefill=breakable", ["prefill CUDA graphs"]),
+    ({"device": "cuda", "disable_overlap_schedule": True, "disable_cuda_graph": True}, False, None, None, []),
+    ({"device": "cuda", "disable_prefill_cuda_graph": True}, True, "on", None, []),
+    ({"device": "cuda", "disable_prefill_cuda_graph": True, "enable_two_batch_overlap": True}, True, "on", None,
+     ["two-batch overlap"]),
+    ({"device": "cpu"}, True, None, None, []),
+])
+def test_server_modes_and_the_ones_capture_refuses(args, overlap, decode, prefill, wrong):
+    from hs_capture.modes import read_modes
+
+    m = read_modes(args)
+    assert (m.overlap, m.decode_graphs, m.prefill_graphs) == (overlap, decode, prefill)
+    assert [w.what for w in m.wrong()] == wrong
+    assert ("overlap (default)" if overlap else "normal") in m.describe()

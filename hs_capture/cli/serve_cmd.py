@@ -14,8 +14,8 @@ HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 # The flags capture needs, each for a reason (README "Launcher"):
 # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
-# A capture run decodes one token per request, so decode graphs buy nothing either. Which
-# flags turn them off depends on the release: asked of the server's own Python.
+# Decode is never captured, so its graphs stay on. Which flag turns prefill graphs alone off
+# depends on the release: asked of the server's own Python.
 CAPTURE_FLAGS = (
     # A radix-cache prefix hit is never recomputed: that sample's capture would start past 0.
     "--disable-radix-cache",
@@ -35,12 +35,13 @@ def pythonpath() -> None:
 
 
 _PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-          "from hs_capture.sglang_compat import prefill_graph_off_flags, server_arg_names; "
-          "print(json.dumps(prefill_graph_off_flags(server_arg_names())))")
+          "from hs_capture.sglang_compat import prefill_off_flags_here; "
+          "print(json.dumps(prefill_off_flags_here()))")
 
 
 def graph_off_flags(python: str) -> List[str]:
-    """The flags that keep prefill eager in the sglang `python` runs (feature-detected there)."""
+    """The flags that keep prefill eager (and decode graphs on) in the sglang `python` runs
+    (feature-detected there)."""
     package_parent = os.path.dirname(os.path.dirname(HOOK_DIR))
     try:
         out = subprocess.run([python, "-c", _PROBE, package_parent], capture_output=True, text=True, timeout=300,
@@ -69,9 +70,10 @@ def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> T
 def serve(dump_dir: str, layers: str, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
-    Adds --disable-cuda-graph (and --disable-piecewise-cuda-graph where the release has
-    it: 0.5.10-0.5.14 keep prefill graphs on without it), --disable-radix-cache and
-    --skip-server-warmup (see README); every other flag is passed through.
+    Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
+    from 0.5.15, --disable-piecewise-cuda-graph in 0.5.10-0.5.14; decode CUDA graphs and
+    the overlap scheduler stay on), --disable-radix-cache and --skip-server-warmup (see
+    README); every other flag is passed through.
     """
     cmd, env = build_command(dump_dir, sglang_args, python)
     if layers:
