@@ -88,7 +88,7 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -
 
 def default_writer_threads() -> int:
     """A quarter of the cores, 2 to 8: 8 threads keep up with ~2 GB/s of bf16 states on a
-    16-core H200 host (benchmarks/gpu_capture.py) without starving the server's own processes."""
+    16-core H200 host (benchmarks/gpu/capture.py) without starving the server's own processes."""
     return min(8, max(2, (os.cpu_count() or 2) // 4))
 
 

@@ -72,15 +72,21 @@ class _Budget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+        self.peak = 0
+        self.waited_s = 0.0  # time forwards spent held by back-pressure
         self._cond = threading.Condition()
 
     def acquire(self, n: int, block: bool) -> bool:
         with self._cond:
-            while self.used and self.used + n > self.limit:
+            if self.used and self.used + n > self.limit:
                 if not block:
                     return False
-                self._cond.wait()
+                t0 = time.monotonic()
+                while self.used and self.used + n > self.limit:
+                    self._cond.wait()
+                self.waited_s += time.monotonic() - t0
             self.used += n
+            self.peak = max(self.peak, self.used)
             return True
 
     def release(self, n: int) -> None:
@@ -340,7 +346,9 @@ class ShardWriter:
         pool = self._stager.pool
         with self._stats_lock:
             body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
-                                               "pinned_allocs_in_forward": pool.hot_allocs}}
+                                               "pinned_allocs_in_forward": pool.hot_allocs,
+                                               "forward_waited_s": round(self._budget.waited_s, 3),
+                                               "peak_inflight_bytes": self._budget.peak}}
         if self.failure:
             body["last_failure"] = self.failure
         data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()

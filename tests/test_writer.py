@@ -1,5 +1,5 @@
 """The shard writer on CPU tensors: back-pressure, counted drops, flush on close, atomicity.
-(Its CUDA path is measured on the H200: benchmarks/gpu_capture.py.)"""
+(Its CUDA path is measured on the H200: benchmarks/gpu/capture.py.)"""
 
 import errno
 import json

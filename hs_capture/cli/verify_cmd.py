@@ -19,6 +19,17 @@ def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
         raise click.BadParameter("expected comma-separated layer numbers, e.g. 2,30,58") from None
 
 
+def _check_device(name: str) -> None:
+    try:
+        import torch
+
+        dev = torch.device(name)
+    except (ImportError, RuntimeError) as e:
+        raise click.BadParameter(f"{name!r} is not a torch device ({e})", param_hint="--reference-device")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"{name!r}: no CUDA device here", param_hint="--reference-device")
+
+
 @click.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
@@ -28,19 +39,23 @@ def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --sample and --reference picks.")
 @click.option("-j", "--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Reader threads.")
 @click.option("--reference", "reference", type=click.Path(exists=True, file_okay=False),
-              help="Model dir: recompute samples with transformers (float32, CPU) and compare.")
+              help="Model dir: recompute samples with transformers (float32) and compare.")
+@click.option("--reference-device", default="cpu", show_default=True,
+              help="Where transformers recomputes them (cpu, cuda, cuda:1, ...).")
 @click.option("--reference-samples", type=click.IntRange(1), default=4, show_default=True,
               help="How many random samples --reference recomputes.")
-@click.option("--atol", type=float, default=1e-4, show_default=True, help="--reference absolute tolerance.")
-@click.option("--rtol", type=float, default=0.0, show_default=True,
-              help="--reference relative tolerance (bf16 dumps: try --atol 0.05 --rtol 0.05).")
+@click.option("--atol", type=float, default=None,
+              help="--reference: a fixed absolute bound. Default: 1e-4 for float32 dumps; bf16/fp16 dumps are "
+                   "held to transformers' own error in that dtype (README).")
+@click.option("--rtol", type=float, default=None, help="--reference: a fixed relative bound (default 0 with --atol).")
 @click.option("--layers", callback=_layers, help="Merged output without merge_report.json: its aux layers.")
 @click.option("--max-findings", type=click.IntRange(1), default=20, show_default=True,
               help="Findings printed per check (--json lists all).")
 @QUIET
 @JSON
 def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], seed: int, jobs: int,
-               reference: Optional[str], reference_samples: int, atol: float, rtol: float,
+               reference: Optional[str], reference_device: str, reference_samples: int, atol: Optional[float],
+               rtol: Optional[float],
                layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
     dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
@@ -54,6 +69,8 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
         except MergeError as e:
             raise click.ClickException(str(e))
         ids, order = ds.ids, ds.order
+    if reference:
+        _check_device(reference_device)
     bar = Progress(enabled=not (quiet or as_json))
 
     def on_progress(what: str, done: int, total: int) -> None:
@@ -61,7 +78,7 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
 
     try:
         report = verify(paths, ids, order, sample, jobs, seed, reference, reference_samples, atol, rtol, layers,
-                        on_progress)
+                        on_progress, reference_device)
     except OSError as e:
         raise click.ClickException(f"{e.filename or ''}: {e.strerror or e}")
     except ImportError as e:

@@ -24,10 +24,12 @@ __all__ = ["verify", "Report", "Finding", "CHECKS", "ERROR", "WARNING"]
 
 def verify(paths: Sequence[str], dataset: Optional[Dict[str, List[int]]] = None, order: Optional[List[str]] = None,
            sample: Optional[int] = None, jobs: int = 4, seed: int = 0, reference: Optional[str] = None,
-           reference_samples: int = 4, atol: float = 1e-4, rtol: float = 0.0, layers: Optional[List[int]] = None,
-           progress: Optional[Callable[[str, int, int], None]] = None) -> Report:
+           reference_samples: int = 4, atol: Optional[float] = None, rtol: Optional[float] = None,
+           layers: Optional[List[int]] = None, progress: Optional[Callable[[str, int, int], None]] = None,
+           reference_device: str = "cpu") -> Report:
     """Run every check on dump dirs and/or merged dirs. `dataset`: id -> token ids;
-    `order`: the dataset's ids in row order (speculators files are named by row)."""
+    `order`: the dataset's ids in row order (speculators files are named by row).
+    atol/rtol: fixed --reference bounds; both None = by the stored dtype (reference.py)."""
     report = Report(list(paths))
     merged = [p for p in paths if is_merged(p)]
     dumps = [p for p in paths if p not in merged]
@@ -40,14 +42,15 @@ def verify(paths: Sequence[str], dataset: Optional[Dict[str, List[int]]] = None,
         items = verify_merged(merged, report, dataset, order, sample, jobs, seed,
                               (lambda d, t: progress("merged", d, t)) if progress else None)
     if reference:
-        from .reference import Reference, compare
+        from .reference import Reference, Tolerance, compare
 
-        ref = Reference(reference)
+        ref = Reference(reference, reference_device)
         rng = random.Random(seed)
+        tol = Tolerance(atol, rtol)
         if planned is not None:
-            compare(report, ref, _dump_samples(planned, reference_samples, rng), atol, rtol)
+            compare(report, ref, _dump_samples(planned, reference_samples, rng), tol)
         if merged:
-            compare(report, ref, _merged_samples(merged, items, layers, reference_samples, rng, report), atol, rtol)
+            compare(report, ref, _merged_samples(merged, items, layers, reference_samples, rng, report), tol)
     return report
 
 
@@ -65,7 +68,8 @@ def _dump_samples(p, k: int, rng: random.Random):
             continue  # the file checks report it
         yield Stored(rid, os.path.basename(p.runs[p.samples[rid][0].run].path), s.input_ids.numpy(),
                      {k: v.float().numpy() for k, v in s.layers.items()}, s.final.float().numpy(),
-                     s.prenorm.float().numpy() if s.prenorm is not None else None)
+                     s.prenorm.float().numpy() if s.prenorm is not None else None,
+                     str(s.final.dtype).replace("torch.", ""))
 
 
 def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k: int, rng: random.Random,
@@ -94,4 +98,4 @@ def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k
             continue
         yield Stored(s.rid or it.path, it.path, s.input_ids,
                      {layer: s.aux[:, j * h:(j + 1) * h] for j, layer in enumerate(sorted(layers))},
-                     s.final, s.prenorm)
+                     s.final, s.prenorm, s.dtype)

@@ -116,8 +116,9 @@ def _load_torch(path: str) -> dict:
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
 
 
-def load_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
-    """A safetensors file as float32/int64 numpy arrays (bf16 widened), checked rule by rule."""
+def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+    """A safetensors file as float32/int64 numpy arrays (bf16 widened), checked rule by rule.
+    `dtypes`, when given, receives each tensor's stored safetensors dtype."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
@@ -147,6 +148,8 @@ def load_safetensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
                 raise fmt.InvalidOffset(f"{name}: data ends at {8 + n + b}, past the end of the {size}-byte file")
             f.seek(8 + n + a)
             raw = f.read(b - a)
+            if dtypes is not None:
+                dtypes[name] = dt
             out[name] = fmt.to_numpy(raw, "bfloat16", shape) if dt == "BF16" else \
                 np.frombuffer(raw, dtype=np.dtype(_ST_DTYPES[dt]).newbyteorder("<")).reshape(shape).astype(
                     np.float32 if dt.startswith("F") else np.int64)
@@ -165,6 +168,7 @@ class Loaded:
     final: Optional[np.ndarray]  # (T, H) post-norm
     prenorm: Optional[np.ndarray]  # (T, H)
     hidden_size: int
+    dtype: str = "float32"  # the states' stored dtype (the arrays above are widened to float32)
 
 
 def load_item(item: Item, hidden_size: Optional[int], headers: Dict[str, fmt.Header]) -> Loaded:
@@ -175,33 +179,45 @@ def load_item(item: Item, hidden_size: Optional[int], headers: Dict[str, fmt.Hea
         if aux.dim() != 3 or aux.shape[0] != 1 or fin.dim() != 3 or fin.shape[0] != 1:
             raise ValueError(f"aux_hidden_state {list(aux.shape)} / hidden_state {list(fin.shape)} are not (1, T, *)")
         _dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
-        return Loaded(item.rid, _np(ids), _np(d["loss_mask"]), _np(aux[0]), _np(fin[0]), None, fin.shape[-1])
+        return Loaded(item.rid, _np(ids), _np(d["loss_mask"]), _np(aux[0]), _np(fin[0]), None, fin.shape[-1],
+                      _torch_dtype(fin))
     if item.fmt == "modelopt":
         d = _load_torch(item.path)
         _dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
         rid = d.get("conversation_id")
         fin = d["hidden_states"]
         return Loaded(str(rid) if rid is not None else item.rid, _np(d["input_ids"]), _np(d["loss_mask"]),
-                      _np(d["aux_hidden_states"]), _np(fin), None, fin.shape[-1])
+                      _np(d["aux_hidden_states"]), _np(fin), None, fin.shape[-1], _torch_dtype(fin))
     if item.fmt == "speculators":
-        arrays, meta = load_safetensors(item.path)
+        dtypes: Dict[str, str] = {}
+        arrays, meta = load_safetensors(item.path, dtypes)
         hs, ids = arrays["hidden_states"], arrays["token_ids"]
         if hs.ndim != 3 or hs.shape[1] != 4:
             raise ValueError(f"hidden_states is {list(hs.shape)}, not [T, 4, H]")
         t, _, h = hs.shape
-        return Loaded(meta.get("rid", item.rid), ids, None, hs[:, :3].reshape(t, 3 * h), None, hs[:, 3], h)
+        return Loaded(meta.get("rid", item.rid), ids, None, hs[:, :3].reshape(t, 3 * h), None, hs[:, 3], h,
+                      _ST_NAMES.get(dtypes.get("hidden_states", ""), "float32"))
     # native
     with open(item.path, "rb") as f:
         header = headers.get(item.path)
         if header is None:
             header = headers[item.path] = fmt.read_header(f, os.fstat(f.fileno()).st_size)
-        got = {}
+        got, dtype = {}, "float32"
         for name in ("aux", "final", "input_ids", "loss_mask", "prenorm"):
             e = header.tensors.get(f"{item.key}/{name}")
             if e is not None:
                 got[name] = fmt.to_numpy(fmt.read_tensor_bytes(f, header, e.name), e.dtype, e.shape)
+                dtype = e.dtype if name == "final" else dtype
     fin = got["final"]
-    return Loaded(item.rid, got["input_ids"], got["loss_mask"], got["aux"], fin, got.get("prenorm"), fin.shape[-1])
+    return Loaded(item.rid, got["input_ids"], got["loss_mask"], got["aux"], fin, got.get("prenorm"), fin.shape[-1],
+                  dtype)
+
+
+_ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def _torch_dtype(t) -> str:
+    return str(t.dtype).replace("torch.", "")
 
 
 def _dtypes(d: dict, want: Dict[str, str]) -> None:

@@ -13,7 +13,7 @@ state) + ids/positions, 470 MB a step.
 6. CUDA graphs: the forward wrapper run under torch.cuda.graph capture neither breaks the
    graph nor records anything; the same wrapper outside a graph captures exactly.
 
-usage: python benchmarks/gpu_capture.py [--out FILE] [--steps 6]
+usage: python benchmarks/gpu/capture.py [--out FILE] [--steps 6]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hs_capture.config import CaptureConfig  # noqa: E402
 from hs_capture.layout import RankId  # noqa: E402
