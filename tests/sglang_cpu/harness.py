@@ -31,11 +31,12 @@ CPU_FLAGS = [
 ]
 
 
-def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
+def make_tiny_deepseek(out: str, layers: int = 6, dtype: str = "float32", seed: int = 0,
+                       fixed_routing: bool = False) -> str:
     """A random DeepSeek-V3 (MLA, MoE with noaux_tc routing) small enough for the CPU."""
     from tests.sglang_cpu.models import make_tiny
 
-    return make_tiny("deepseek_v3", out, layers, dtype, seed)
+    return make_tiny("deepseek_v3", out, layers, dtype, seed, fixed_routing)
 
 
 def free_port() -> int:

@@ -79,8 +79,11 @@ BUILDERS: Dict[str, Callable] = {
 FAMILIES = tuple(BUILDERS) + ("kimi_k25",)
 
 
-def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", seed: int = 0) -> str:
-    """Write a tiny random checkpoint of `family` to `out` (kept if already there)."""
+def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", seed: int = 0,
+              fixed_routing: bool = False) -> str:
+    """Write a tiny random checkpoint of `family` to `out` (kept if already there).
+    fixed_routing: router biases 2 apart, so every token's top-k is fixed per layer and a
+    bf16 forward picks the experts a float32 one does (no near-ties to break differently)."""
     import torch
 
     if os.path.exists(os.path.join(out, "config.json")):
@@ -93,7 +96,10 @@ def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", se
     with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn_like(t) * 0.1)
+                if fixed_routing:
+                    t.copy_(2.0 * torch.randperm(t.numel()).to(t.dtype).reshape(t.shape))
+                else:
+                    t.copy_(torch.randn_like(t) * 0.1)
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.architectures = [arch]

@@ -1,0 +1,86 @@
+"""verify --reference on a bfloat16 dump from the REAL CPU server: with no tolerance flags a
+right capture passes (each token within transformers' own bf16 error, on the same weights),
+and wrong states fail: another sample's, rows shifted by one, another layer."""
+
+import random
+
+import numpy as np
+import pytest
+
+from hs_capture.assemble import Assembler, plan
+from hs_capture.verify.reference import Reference, Stored, Tolerance, compare
+from hs_capture.verify.report import Report
+from tests.sglang_cpu.harness import Server, hscap_send, make_tiny_deepseek, server_env, write_jsonl
+from tests.test_verify import verify
+
+
+@pytest.fixture(scope="module")
+def bf16_dump(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bf16")
+    model = make_tiny_deepseek(str(root / "model"), layers=6, dtype="bfloat16", fixed_routing=True)
+    rng = random.Random(3)
+    rows = [{"id": f"s{i}", "input_ids": [rng.randrange(2, 1000) for _ in range(n)]}
+            for i, n in enumerate([40, 170, 300, 90])]
+    data = write_jsonl(root / "data.jsonl", rows)
+    dump = str(root / "dump")
+    srv = Server(model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(root / "server.log"),
+                 ["--dtype", "bfloat16", "--chunked-prefill-size", "128", "--disable-radix-cache"])
+    try:
+        srv.wait_healthy()
+        rc, summary = hscap_send(data, "--url", srv.url, "-c", "4", "--failures", str(root / "f.jsonl"))
+        assert rc == 0 and summary["sent"] == len(rows)
+    finally:
+        srv.stop()
+    return {"model": model, "dump": dump, "data": data, "rows": rows}
+
+
+def test_a_right_bf16_dump_passes_with_no_tolerance_flags(bf16_dump):
+    code, doc = verify(bf16_dump["dump"], "--dataset", bf16_dump["data"], "--reference", bf16_dump["model"],
+                       "--reference-samples", "4")
+    assert code == 0, doc["findings"]
+    st = doc["stats"]
+    assert st["reference_dtypes"] == ["bfloat16"] and st["reference_samples"] == 4
+    states = st["reference_states"]
+    assert set(states) == {"layer 1", "layer 3", "layer 5", "final (post-norm)"}
+    for s in states.values():  # bf16 noise is real, and the capture's error is of its size
+        assert 0 < s["ref_max_rel"] and s["max_rel"] < 4 * s["ref_max_rel"] + 0.002
+    # the fixed float32 bound fails this right dump: the tolerance has to follow the dtype
+    code, doc = verify(bf16_dump["dump"], "--reference", bf16_dump["model"], "--reference-samples", "2",
+                       "--atol", "1e-4")
+    assert code == 1 and {f["check"] for f in doc["findings"]} == {"reference"}
+
+
+def _stored(bf16_dump):
+    p = plan([bf16_dump["dump"]])
+    asm = Assembler(p)
+    out = {}
+    for rid in sorted(p.samples):
+        s = asm.sample(rid)
+        out[rid] = Stored(rid, None, s.input_ids.numpy(), {k: v.float().numpy() for k, v in s.layers.items()},
+                          s.final.float().numpy(), None, "bfloat16")
+    return out
+
+
+def _judged(ref, samples):
+    report = Report(["x"])
+    compare(report, ref, samples, Tolerance())
+    return [f.message for f in report.findings if f.check == "reference"]
+
+
+def test_wrong_bf16_states_fail(bf16_dump):
+    ref = Reference(bf16_dump["model"])
+    good = _stored(bf16_dump)
+    assert _judged(ref, good.values()) == []
+    a, b = good["s1"], good["s2"]  # 170 and 300 tokens
+    n = a.input_ids.size
+    other = Stored(a.rid, None, a.input_ids, {k: b.layers[k][:n] for k in a.layers}, b.final[:n], None, "bfloat16")
+    shifted = Stored(a.rid, None, a.input_ids, {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}, a.final,
+                     None, "bfloat16")
+    layer = Stored(a.rid, None, a.input_ids, {1: a.layers[1], 3: a.layers[5], 5: a.layers[5]}, a.final, None,
+                   "bfloat16")
+    one_row = Stored(a.rid, None, a.input_ids, {k: v.copy() for k, v in a.layers.items()}, a.final, None, "bfloat16")
+    one_row.layers[3][100] = b.layers[3][100]
+    for bad, where in ((other, "layer 1"), (shifted, "layer 1"), (layer, "layer 3"), (one_row, "layer 3")):
+        found = _judged(ref, [bad])
+        assert found and any(m.startswith(where) for m in found), (where, found)
+    assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
