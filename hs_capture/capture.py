@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -243,6 +243,8 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     writer = None
     if par.writes:
         config_mod.check_dump_dir(cfg.run_dir)
+        if not cfg.writer_threads:
+            cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, args)))
         meta = _run_meta(cfg, hf_config, layers, args, par, modes)
         flags = meta["server_flags"]
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
@@ -269,6 +271,14 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
                     "capture starts past position 0; such samples are detected and reported incomplete "
                     "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
     return state
+
+
+def _writers_on_host(par: Any, args: Any) -> int:
+    """Writing ranks sharing this host's cores: one per DP group, spread over the nodes."""
+    flags = relevant_flags(args)
+    writers = par.dp_size if flags.get("enable_dp_attention") else 1
+    nodes = max(1, int(flags.get("nnodes") or 1))
+    return max(1, -(-writers // nodes))
 
 
 def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
@@ -309,6 +319,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, 
         "server_modes": asdict(modes),
         "codec": cfg.codec,
         "level": cfg.level,
+        "writer_threads": cfg.writer_threads,
         "on_full": cfg.on_full,
     }
 

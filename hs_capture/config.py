@@ -27,7 +27,7 @@ class CaptureConfig:
     layers: Optional[List[int]] = None  # None: the model's EAGLE-3 default
     codec: str = "bytegroup"
     level: int = 1
-    writer_threads: int = 2  # load() picks default_writer_threads()
+    writer_threads: int = 0  # 0: sized at model load from the cores and the writers on the host
     max_inflight_bytes: int = 4 << 30
     on_full: str = "block"
     fsync: bool = True
@@ -86,10 +86,20 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -
     return value
 
 
-def default_writer_threads() -> int:
-    """A quarter of the cores, 2 to 8: 8 threads keep up with ~2 GB/s of bf16 states on a
-    16-core H200 host (benchmarks/gpu/capture.py) without starving the server's own processes."""
-    return min(8, max(2, (os.cpu_count() or 2) // 4))
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
+
+
+def default_writer_threads(writers_on_host: int = 1) -> int:
+    """The usable cores less 4 for the server's own processes (scheduler, tokenizer,
+    detokenizer), shared by the writing ranks on this host; 2 to 12. One writer on a 16-core
+    H200 host gets 12: ~2.9 GB/s of bf16 states (benchmarks/gpu/capture.py), above the ~1.9
+    GB/s the GPU runner's server produces (4 threads held it to 0.65 of its speed)."""
+    return max(2, min(12, (usable_cores() - 4) // max(1, writers_on_host)))
 
 
 def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
@@ -111,7 +121,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         layers=parse_layers(env.get("HSCAP_LAYERS", "")),
         codec=codec,
         level=_int(env, "HSCAP_LEVEL", 1, -7, 22),
-        writer_threads=_int(env, "HSCAP_WRITER_THREADS", default_writer_threads(), 1, 64),
+        writer_threads=_int(env, "HSCAP_WRITER_THREADS", 0, 0, 64),
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
         on_full=on_full,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),

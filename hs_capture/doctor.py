@@ -157,7 +157,8 @@ def check_settings(env: Optional[Dict[str, str]] = None) -> List[Finding]:
     except config_mod.ConfigError as e:
         return [Finding("settings", BLOCK, str(e))]
     return [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
-                                    f"codec {cfg.codec} level {cfg.level}; {cfg.writer_threads} writer threads")]
+                                    f"codec {cfg.codec} level {cfg.level}; "
+                                    f"{cfg.writer_threads or f'{config_mod.default_writer_threads()} (auto)'} writer threads")]
 
 
 def parse_server_flags(argv: Sequence[str]) -> Any:

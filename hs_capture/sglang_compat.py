@@ -114,7 +114,7 @@ RELEVANT_FLAGS = (
     "enable_dp_attention", "disable_radix_cache", "chunked_prefill_size", "enable_mixed_chunk",
     "disable_cuda_graph", "disable_prefill_cuda_graph", "cuda_graph_backend_prefill",
     "enable_piecewise_cuda_graph", "disable_piecewise_cuda_graph", "enable_two_batch_overlap",
-    "speculative_algorithm", "disable_overlap_schedule", "max_prefill_tokens",
+    "speculative_algorithm", "disable_overlap_schedule", "max_prefill_tokens", "nnodes",
 )
 
 

@@ -20,52 +20,80 @@ the side stream then copies the clone.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Optional, Protocol
 
 import torch
 
 
+ALIGN = 256  # each tensor of a step starts on this boundary of its step's buffer
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 class PinnedPool:
-    """Reusable pinned host buffers. Pinning runs at ~1 GB/s (measured on the H200: 0.44 s for
-    one 8192-token DeepSeek step), so it must never happen per step: buffers are recycled
-    best-fit, and `prewarm` pins the expected step sizes on a background thread."""
+    """Reusable pinned host buffers, one per step. Pinning runs at ~1 GB/s (measured on the
+    H200: 0.44 s for one 8192-token DeepSeek step), so it must never happen in a forward:
+    `prewarm` pins full-size steps on a background thread, buffers are recycled best-fit, and
+    once `cap` bytes are pinned a step waits for a buffer the writer gives back (back-pressure)
+    instead of pinning more. Only a step larger than every buffer made is pinned anew."""
 
     GRANULE = 2 << 20
 
-    def __init__(self, pin: bool = True) -> None:
+    def __init__(self, pin: bool = True, cap: int = 0) -> None:
         self._pin = pin  # False only for a CPU copier (tests): pinning needs a CUDA driver
+        self._cap = cap  # 0: no cap
         self._free: List[torch.Tensor] = []  # sorted by size
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._largest = 0
         self.pinned_bytes = 0
         self.hot_allocs = 0  # allocations a forward had to wait for
+        self.waited_s = 0.0  # time forwards waited for a buffer to come back
+
+    def _size(self, nbytes: int) -> int:
+        return -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
 
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        size = -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+        size = self._size(nbytes)
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-        with self._lock:
+        with self._cond:
             self.pinned_bytes += size
+            self._largest = max(self._largest, size)
         return buf
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.numel() >= nbytes:
-                    return self._free.pop(i)
-            self.hot_allocs += 1
+    def take(self, nbytes: int, block: bool = True) -> Optional[torch.Tensor]:
+        """A buffer of at least nbytes; None only when `block` is False and the pool is at its cap."""
+        with self._cond:
+            while True:
+                for i, buf in enumerate(self._free):
+                    if buf.numel() >= nbytes:
+                        return self._free.pop(i)
+                if (not self._cap or self.pinned_bytes + self._size(nbytes) <= self._cap
+                        or self._size(nbytes) > self._largest):
+                    self.hot_allocs += 1
+                    break
+                if not block:
+                    return None
+                t0 = time.monotonic()
+                self._cond.wait()
+                self.waited_s += time.monotonic() - t0
         return self._alloc(nbytes)
 
     def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
+        with self._cond:
             self._free.append(buf)
             self._free.sort(key=lambda b: b.numel())
+            self._cond.notify_all()
 
     def prewarm(self, sizes: List[int]) -> None:
         for n in sizes:
             self.give(self._alloc(n))
 
     def trim(self) -> None:
-        with self._lock:
+        with self._cond:
             self._free.clear()
 
 
@@ -141,7 +169,7 @@ class Stager:
         so that in steady state no forward ever pins (past the budget the writer blocks it).
         copier: how device tensors are copied (default: a CUDA side stream, made on first use)."""
         self._copier = copier
-        self._pool = PinnedPool(pin=copier.pin_memory if copier is not None else True)
+        self._pool = PinnedPool(pin=copier.pin_memory if copier is not None else True, cap=budget_bytes)
         self._expected_rows = expected_rows
         self._budget = budget_bytes
         self._prewarm_steps = prewarm_steps
@@ -152,13 +180,15 @@ class Stager:
         return self._pool
 
     def prewarm_async(self, sizes: List[int], device: Optional[int] = None) -> None:
-        """Pin buffers of these sizes on a background thread, on `device`'s context (a bare
-        thread would otherwise create a context, and spend memory, on GPU 0)."""
+        """Pin full-step buffers (one step = tensors of these sizes) on a background thread, on
+        `device`'s context (a bare thread would otherwise create a context, and spend memory,
+        on GPU 0)."""
         self._prewarmed = True
         if not sizes:
             return
-        steps = self._prewarm_steps or self._budget // max(1, sum(sizes))
-        sizes = sizes * max(1, steps)
+        step = sum(_aligned(n) for n in sizes)
+        steps = self._prewarm_steps or self._budget // max(1, self._pool._size(step))
+        sizes = [step] * max(1, steps)
         if device is None:
             device = torch.cuda.current_device()
 
@@ -176,9 +206,11 @@ class Stager:
             sizes.append(rows * row_bytes)
         return sizes
 
-    def stage(self, tensors: Dict[str, torch.Tensor], inputs: Collection[str] = ()) -> Staged:
+    def stage(self, tensors: Dict[str, torch.Tensor], inputs: Collection[str] = (),
+              block: bool = True) -> Optional[Staged]:
         """Start copying one step's tensors to the host. `inputs`: names of tensors that come
-        from the batch's inputs (always owned first: SGLang refills them for the next batch)."""
+        from the batch's inputs (always owned first: SGLang refills them for the next batch).
+        None only when `block` is False and every pinned buffer is in flight."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         copier = self._copier
         if copier is None:
@@ -186,21 +218,24 @@ class Stager:
                 # synchronous: nothing can change under a clone taken now
                 return Staged({k: t.detach().contiguous().clone() for k, t in tensors.items()}, nbytes)
             copier = self._copier = CudaSideStream()
+        buf = self._pool.take(sum(_aligned(t.numel() * t.element_size()) for t in tensors.values()), block)
+        if buf is None:
+            return None
         owned = {k: copier.own(t.detach()) if k in inputs or may_be_refilled(t) else t.detach()
                  for k, t in tensors.items()}
         copier.begin()
         out: Dict[str, torch.Tensor] = {}
-        buffers: List[torch.Tensor] = []
+        at = 0
         for name, t in owned.items():
-            buf = self._pool.take(t.numel() * t.element_size())
-            buffers.append(buf)
-            host = buf[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            n = t.numel() * t.element_size()
+            host = buf[at: at + n].view(t.dtype).view(t.shape)
+            at += _aligned(n)
             copier.copy(host, t)
             out[name] = host
         event = copier.finish()
         if not self._prewarmed and copier.pin_memory:
             self.prewarm_async(self._step_sizes(tensors))
-        return Staged(out, nbytes, event, buffers)
+        return Staged(out, nbytes, event, [buf])
 
     def release(self, staged: Staged) -> None:
         for buf in staged.buffers:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import format as fmt
-from .config import CaptureConfig, ConfigError
+from .config import CaptureConfig, ConfigError, default_writer_threads
 from .layout import RankId, index_path, rank_meta_path, step_file, temp_name
 from .log import get_logger
 from .staging import AsyncCopier, Staged, Stager
@@ -147,7 +147,7 @@ class ShardWriter:
             self._reserve = None
         self.run_meta.update(status="running", started=time.time())
         self._write_meta()
-        for i in range(self.cfg.writer_threads):
+        for i in range(self.cfg.writer_threads or default_writer_threads()):
             t = threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -186,18 +186,25 @@ class ShardWriter:
         self._next_step += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if not self._budget.acquire(nbytes, block=self.cfg.on_full == "block"):
-            self._count("steps_dropped")
-            self._append_index({**meta, "step": step, "dropped": "writer_full", "time": time.time()})
-            log.warning("rank %s: writer full, dropped step %d (%d tokens); see the index",
-                        self.rank.tag, step, meta.get("num_tokens", 0))
+            self._drop(step, meta)
             return False
         try:
-            staged = self._stager.stage(tensors, inputs=_INPUT_PARTS)
+            staged = self._stager.stage(tensors, inputs=_INPUT_PARTS, block=self.cfg.on_full == "block")
         except BaseException:
             self._budget.release(nbytes)
             raise
+        if staged is None:  # every pinned buffer in flight, and the policy is drop
+            self._budget.release(nbytes)
+            self._drop(step, meta)
+            return False
         self._queue.put((step, meta, staged, aux_layers or []))
         return True
+
+    def _drop(self, step: int, meta: Dict[str, Any]) -> None:
+        self._count("steps_dropped")
+        self._append_index({**meta, "step": step, "dropped": "writer_full", "time": time.time()})
+        log.warning("rank %s: writer full, dropped step %d (%d tokens); see the index",
+                    self.rank.tag, step, meta.get("num_tokens", 0))
 
     # ------------------------------------------------------------- workers
     def _work(self) -> None:
@@ -347,7 +354,7 @@ class ShardWriter:
         with self._stats_lock:
             body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                                "pinned_allocs_in_forward": pool.hot_allocs,
-                                               "forward_waited_s": round(self._budget.waited_s, 3),
+                                               "forward_waited_s": round(self._budget.waited_s + pool.waited_s, 3),
                                                "peak_inflight_bytes": self._budget.peak}}
         if self.failure:
             body["last_failure"] = self.failure

@@ -34,7 +34,7 @@ def test_enabled_by_dir_alias_and_kill_switch():
 
 
 @pytest.mark.parametrize("env", [
-    {"HSCAP_CODEC": "lz4"}, {"HSCAP_ON_FULL": "later"}, {"HSCAP_WRITER_THREADS": "0"},
+    {"HSCAP_CODEC": "lz4"}, {"HSCAP_ON_FULL": "later"}, {"HSCAP_WRITER_THREADS": "-1"},
     {"HSCAP_MAX_INFLIGHT_MB": "lots"},
 ])
 def test_bad_settings_are_config_errors(env):
@@ -47,3 +47,15 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(ConfigError, match="not writable"):
         config.check_dump_dir(str(blocker / "sub"))
+
+
+def test_writer_threads_follow_the_usable_cores_and_the_writers_on_the_host(monkeypatch):
+    from hs_capture import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert config.default_writer_threads() == 12  # one writer on a 16-core H200 host
+    assert config.default_writer_threads(writers_on_host=4) == 3
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert config.default_writer_threads() == 2  # never fewer
+    assert config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r"}).writer_threads == 0  # auto, sized at model load
+    assert config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r", "HSCAP_WRITER_THREADS": "5"}).writer_threads == 5

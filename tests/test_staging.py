@@ -113,3 +113,26 @@ def test_the_writer_stores_the_submitted_step_when_its_input_buffers_are_refille
         s = samples[rid]
         assert s.complete and np.array_equal(s.input_ids, tokens.numpy()), rid
         assert np.array_equal(s.final, final.numpy()) and np.array_equal(s.layers[1], aux.numpy()), rid
+
+
+def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forward():
+    import threading
+    import time
+
+    from hs_capture.staging import PinnedPool
+
+    g = PinnedPool.GRANULE
+    pool = PinnedPool(pin=False, cap=2 * g)
+    a, b = pool.take(g), pool.take(g)
+    assert pool.hot_allocs == 2 and pool.pinned_bytes == 2 * g
+    assert pool.take(g, block=False) is None  # the drop policy's answer
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.take(g)))
+    t.start()
+    time.sleep(0.3)
+    assert not got  # held: back-pressure, not a third pinned buffer
+    pool.give(a)
+    t.join(5)
+    assert got and got[0] is a and pool.pinned_bytes == 2 * g and pool.waited_s > 0.2
+    big = pool.take(3 * g, block=False)  # larger than any buffer made: pinned even at the cap
+    assert big is not None and big.numel() == 3 * g
