@@ -43,9 +43,19 @@ UNFIX = "import hs_capture.staging as s\ns.CudaSideStream.own = lambda self, t: 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Below Linux's ephemeral range (SGLang binds its own ports there, and adds offsets to
+    ours: sglang 0.5.15 refuses a server port whose gRPC port, +10000, passes 65535)."""
+    import random
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..32000")
 
 
 def read_jsonl(path: str) -> List[dict]:
