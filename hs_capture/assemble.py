@@ -15,6 +15,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from . import format as fmt
+from .coverage import Span, whole_chain
+from .layout import FINAL, PRENORM, part_name, step_parts
 from .reader import DumpError, Run, open_runs
 
 
@@ -41,6 +43,7 @@ class Plan:
     prenorm: bool
     samples: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces, by position
     incomplete: Dict[str, str] = field(default_factory=dict)  # rid -> reason
+    extras: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces captured again, not used
 
 
 def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
@@ -54,21 +57,55 @@ def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
     return list(layers), hidden, prenorm
 
 
-def _judge(pieces: List[Piece], length: Optional[int], parts: List[str]) -> Optional[str]:
-    """None if the pieces cover [0, length) exactly once with every part, else the reason."""
-    at = 0
-    for p in sorted(pieces, key=lambda p: p.prefix):
-        lacking = sorted(set(parts) - {part for part, _ in p.files})
-        if lacking:
-            return f"step {p.step} of {p.rank} lacks {', '.join(lacking)}"
-        if p.prefix > at:
-            return f"positions {at}..{p.prefix - 1} missing" + (" (a prefix-cache hit?)" if at == 0 else "")
-        if p.prefix < at:
-            return f"positions {p.prefix}..{at - 1} captured twice"
-        at = p.prefix + p.length
-    if length is not None and at < length:
-        return f"positions {at}..{length - 1} missing"
-    return None
+class Captured:
+    """Every request's pieces in some dumps (index lines only: no tensor is read), and the one
+    completeness rule (coverage.whole_chain) applied to them: what `hscap send` skips on
+    resume, and what merge and verify plan from."""
+
+    def __init__(self, dump_dirs: Iterable[str], strict: bool = True, exclude_prefix: str = "HEALTH_CHECK_",
+                 allow_empty: bool = False) -> None:
+        """Not strict: unreadable metadata and index lines are skipped (verify reports them).
+        allow_empty: a dir with no run yet holds nothing (send's first run), not an error."""
+        runs: List[Run] = []
+        for d in dump_dirs:
+            found = open_runs(d, errors=None if strict else []) if os.path.isdir(d) or not allow_empty else []
+            if not found and not allow_empty:
+                raise DumpError(f"{d}: no hs_capture run found")
+            runs += [r for r in found if all(os.path.realpath(r.path) != os.path.realpath(x.path) for x in runs)]
+        runs.sort(key=lambda r: os.path.basename(r.path))  # run ids start with their UTC start time
+        self.runs = runs
+        self.layers, self.hidden_size, self.prenorm = _check_same(runs) if runs else ([], 0, False)
+        self.parts = step_parts(self.layers, self.prenorm)
+        # A run's pieces are keyed by run id and rank, not by directory: one run copied or split
+        # across dump dirs (one per node) is still one run; the same step seen twice counts once.
+        self.pieces: Dict[str, Dict[Tuple[str, str, int], Piece]] = {}
+        for i, run in enumerate(runs):
+            for tag in run.ranks:
+                for line in run.index(tag, strict):
+                    if "files" not in line:
+                        continue  # a dropped step holds nothing
+                    files = tuple(sorted((part, f["path"]) for part, f in line["files"].items()))
+                    for s in line["seqs"]:
+                        rid = s["rid"]
+                        if rid is None or rid.startswith(exclude_prefix):
+                            continue
+                        piece = Piece(i, tag, int(line["step"]), files, int(s["offset"]), int(s["len"]),
+                                      int(s["prefix"]))
+                        self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
+                                                                   piece)
+
+    def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
+        """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
+        length: the dataset's (None: as far as it was captured)."""
+        pieces = list(self.pieces.get(rid, {}).values())
+        usable = [p for p in pieces if not set(self.parts) - {part for part, _ in p.files}]
+        j = whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable], length)
+        if j.whole:
+            return [s.ref for s in j.chain], None, [s.ref for s in j.extras]
+        if pieces and not usable:
+            lacking = sorted(set(self.parts) - {x for x, _ in pieces[0].files})
+            return None, f"step {pieces[0].step} of {pieces[0].rank} lacks {', '.join(lacking)}", []
+        return None, j.reason, []
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
@@ -76,48 +113,16 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
     """Decide every sample's pieces. With `lengths` (from the dataset), only those ids count
     and each must reach its full length; else every captured rid, as far as it was captured.
     Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
-    runs: List[Run] = []
-    for d in dump_dirs:
-        found = open_runs(d, errors=None if strict else [])
-        if not found:
-            raise DumpError(f"{d}: no hs_capture run found")
-        runs += [r for r in found if all(os.path.realpath(r.path) != os.path.realpath(x.path) for x in runs)]
-    runs.sort(key=lambda r: os.path.basename(r.path))  # run ids start with their UTC start time
-    layers, hidden, prenorm = _check_same(runs)
-    result = Plan(runs, layers, hidden, prenorm)
-    # A run's pieces are grouped by run id and rank, not by directory: one run copied or split
-    # across dump dirs (one per node) is still one run; the same step seen twice counts once.
-    groups: Dict[str, Dict[Tuple[str, str], Dict[int, Piece]]] = {}
-    for i, run in enumerate(runs):
-        for tag in run.ranks:
-            for line in run.index(tag, strict):
-                if "files" not in line:
-                    continue
-                files = tuple(sorted((part, f["path"]) for part, f in line["files"].items()))
-                for s in line["seqs"]:
-                    rid = s["rid"]
-                    if rid is None or rid.startswith(exclude_prefix) or (lengths is not None and rid not in lengths):
-                        continue
-                    piece = Piece(i, tag, int(line["step"]), files, int(s["offset"]), int(s["len"]), int(s["prefix"]))
-                    group = groups.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag), {})
-                    group.setdefault(piece.step, piece)
-    parts = [f"L{k:02d}" for k in layers] + ["final"] + (["prenorm"] if prenorm else [])
-    wanted = lengths.keys() if lengths is not None else groups.keys()
-    for rid in wanted:
-        candidates = groups.get(rid)
-        if not candidates:
-            result.incomplete[rid] = "never captured"
+    cap = Captured(dump_dirs, strict, exclude_prefix)
+    result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm)
+    for rid in (lengths.keys() if lengths is not None else cap.pieces.keys()):
+        chain, reason, extras = cap.judge(rid, lengths.get(rid) if lengths is not None else None)
+        if chain is None:
+            result.incomplete[rid] = reason or "never captured"
             continue
-        reason = None
-        # A sample re-sent after a crash lives in a later run: the latest whole capture wins.
-        for key in sorted(candidates, reverse=True):
-            pieces = sorted(candidates[key].values(), key=lambda p: p.prefix)
-            reason = _judge(pieces, lengths.get(rid) if lengths is not None else None, parts)
-            if reason is None:
-                result.samples[rid] = pieces
-                break
-        if reason is not None:
-            result.incomplete[rid] = reason
+        result.samples[rid] = chain
+        if extras:
+            result.extras[rid] = extras
     return result
 
 
@@ -181,12 +186,12 @@ class Assembler:
             parts = self._load(p)
             rows = slice(p.offset, p.offset + p.length)
             try:
-                ids.append(parts["final"]["input_ids"][rows])
-                final.append(parts["final"]["hidden"][rows])
+                ids.append(parts[FINAL]["input_ids"][rows])
+                final.append(parts[FINAL]["hidden"][rows])
                 for layer in layers:
-                    layers[layer].append(parts[f"L{layer:02d}"]["hidden"][rows])
+                    layers[layer].append(parts[part_name(layer)]["hidden"][rows])
                 if self.plan.prenorm:
-                    pre.append(parts["prenorm"]["hidden"][rows])
+                    pre.append(parts[PRENORM]["hidden"][rows])
             except KeyError as e:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
         return SampleTensors(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},

@@ -22,6 +22,7 @@ import torch
 
 from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
+from .layout import FINAL, PRENORM, part_name
 from .log import get_logger
 from .modes import ServerModes, read_modes
 from .sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
@@ -150,7 +151,7 @@ class ModelCapture:
             raise ValueError(f"final state has {hidden.shape[0]} rows for {n} tokens")
         h = self.hidden_size
         tensors: Dict[str, torch.Tensor] = {
-            "final": hidden[:n],
+            FINAL: hidden[:n],
             "tokens": fb.input_ids[:n],
             "positions": fb.positions[:n],
         }
@@ -158,7 +159,7 @@ class ModelCapture:
             pre, self._prenorm = self._prenorm, None
             if pre is None or pre.shape[0] < n:
                 raise ValueError("the final norm's input was not seen in this forward")
-            tensors["prenorm"] = pre[:n]
+            tensors[PRENORM] = pre[:n]
         aux_layers: List[int] = []
         if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
             if aux.shape[-1] != h * len(current):
@@ -168,12 +169,12 @@ class ModelCapture:
             else:
                 for layer in self.layers:
                     j = current.index(layer)
-                    tensors[f"L{layer:02d}"] = aux[:n, j * h:(j + 1) * h]
+                    tensors[part_name(layer)] = aux[:n, j * h:(j + 1) * h]
         else:  # up to 0.5.15: a list of [T, H] tensors in layer order
             if len(aux) != len(current):
                 raise ValueError(f"{len(aux)} aux tensors for layers {current}")
             for layer in self.layers:
-                tensors[f"L{layer:02d}"] = aux[current.index(layer)][:n]
+                tensors[part_name(layer)] = aux[current.index(layer)][:n]
         offsets, acc = [], 0
         for length in seq_lens:
             offsets.append(acc)

@@ -4,7 +4,9 @@
         ranks/<rank>.json                      run metadata, one per writing rank
         index/<rank>.jsonl                     one line per forward step, appended after its files are durable
         data/<rank>/<step // 1000>/<rank>.s<step>.<part>.hst
-                                               part: L<layer> (captured layer), final, tokens
+                                               part: L<layer> (a captured layer), final (the
+                                               post-norm state, with input_ids and positions),
+                                               prenorm (the final norm's input, if asked for)
 
 <rank> is "dp<d>-tp<t>-pp<p>". Nothing a client sends (the rid) ever becomes part of a path:
 rids live only inside index lines.
@@ -49,8 +51,23 @@ def new_run_id(now: float | None = None) -> str:
     return f"run-{stamp}-{safe_component(socket.gethostname(), 32)}-{os.getpid()}"
 
 
-def layer_part(layer: int) -> str:
+FINAL = "final"
+PRENORM = "prenorm"
+
+
+def part_name(layer: int) -> str:
+    """The part (file) name of a captured layer: L02, L30, ..."""
     return f"L{layer:02d}"
+
+
+def step_parts(layers, prenorm: bool) -> list:
+    """Every part one step of a run with these settings writes."""
+    return [part_name(k) for k in layers] + [FINAL] + ([PRENORM] if prenorm else [])
+
+
+def part_layer(part: str) -> "int | None":
+    """The layer a part name holds, or None for final/prenorm."""
+    return int(part[1:]) if part.startswith("L") and part[1:].isdigit() else None
 
 
 def rank_meta_path(run_dir: str, rank: RankId) -> str:

@@ -73,6 +73,9 @@ class MergeResult:
     loss_mask_source: str = "dataset"
     shard: str = "0/1"
     incomplete: Dict[str, str] = field(default_factory=dict)  # rid -> reason (never written)
+    # rid -> pieces captured again (a retry, a re-send) beside the whole capture that was
+    # written: a warning, never a reason to leave a sample out
+    recaptured: Dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "MergeResult") -> None:
         for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
@@ -204,6 +207,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)",
                         shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
+    total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
     per_job = cache_bytes // max(1, jobs)
     if fmt_name == "hscap":  # shard files hold fixed row batches, so a re-run finds them done
         batches = _shard_batches(p, sorted(mine))

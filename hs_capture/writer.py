@@ -22,7 +22,7 @@ import torch
 
 from . import format as fmt
 from .config import CaptureConfig, ConfigError, default_writer_threads
-from .layout import RankId, index_path, rank_meta_path, step_file, temp_name
+from .layout import FINAL, RankId, index_path, part_name, rank_meta_path, step_file, temp_name
 from .log import get_logger
 from .staging import AsyncCopier, Staged, Stager
 
@@ -278,7 +278,7 @@ class ShardWriter:
             if name == "aux":
                 width = t.shape[-1] // max(1, len(aux_layers))
                 for j, layer in enumerate(aux_layers):
-                    parts[f"L{layer:02d}"] = t[..., j * width:(j + 1) * width]  # a view: encoded in place
+                    parts[part_name(layer)] = t[..., j * width:(j + 1) * width]  # a view: encoded in place
             else:
                 parts[name] = t
         return parts
@@ -301,7 +301,7 @@ class ShardWriter:
                 continue  # stored beside the final state, below
             rel = step_file(self.rank, step, part)
             tensors = [fmt.RawTensor("hidden", dtype_name(t.dtype), list(t.shape), _bytes_of(t))]
-            if part == "final":
+            if part == FINAL:
                 tensors.append(fmt.RawTensor("input_ids", dtype_name(staged.tensors["tokens"].dtype),
                                              list(staged.tensors["tokens"].shape), _bytes_of(staged.tensors["tokens"])))
                 tensors.append(fmt.RawTensor("positions", dtype_name(staged.tensors["positions"].dtype),

@@ -10,10 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from hs_capture.coverage import coverage, holes, is_complete
-from hs_capture.reader import open_runs, stitch
+from hs_capture.assemble import Captured
+from hs_capture.reader import open_runs
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import LAUNCHER, Server, hf_hidden_states, hscap_send, server_env, write_jsonl
+from tests.sglang_cpu.stitch import stitch
 
 LAYERS = [1, 3, 5]
 CHUNK = 256
@@ -111,17 +112,20 @@ def test_radix_cache_hits_are_reported_incomplete_never_wrong(tiny_model, tmp_pa
         srv.stop()
     assert rc == 0 and summary["skipped_already_captured"] == 2
     assert "[HS_DUMP] WARNING: the radix cache is on" in srv.log()
-    cov = coverage([dump])
-    incomplete = [r for r in rows if not is_complete(cov[r["id"]], len(r["input_ids"]))]
+    cap = Captured([dump])
+    judged = {r["id"]: cap.judge(r["id"], len(r["input_ids"])) for r in rows}
+    incomplete = [rid for rid, (chain, _, _) in judged.items() if chain is None]
     assert len(incomplete) >= 8  # every request after its donor hit the cache
     (run,) = open_runs(dump)
     samples = stitch(run)
     for r in rows:
         s = samples[r["id"]]
-        gaps = holes(cov[r["id"]], len(r["input_ids"]))
-        assert s.complete == (not gaps)
-        if gaps:  # a hit: a hole from position 0, and what was captured is still right
-            assert gaps[0][0] == 0 and not s.covered[: gaps[0][1]].any()
+        chain, reason, _ = judged[r["id"]]
+        assert s.complete == (chain is not None)
+        if chain is None:  # a hit: a hole from position 0, and what was captured is still right
+            assert reason.startswith("positions 0..") and "prefix-cache" in reason
+            first = int(reason.split("..")[1].split()[0])
+            assert not s.covered[: first + 1].any()
             assert_equal_to_transformers(s, r["input_ids"], tiny_model, positions=s.covered)
         else:
             assert_equal_to_transformers(s, r["input_ids"], tiny_model)

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.coverage import coverage, is_complete
+from hs_capture.assemble import Captured
 from tests.sglang_cpu.harness import REPO, Server, hscap_send, server_env, write_jsonl
 
 CHUNK = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
@@ -46,9 +46,9 @@ def errors(doc, check=None):
 
 def incomplete_by_index(dump, rows):
     """The dataset ids whose captured positions do not cover [0, len): from the index lines
-    alone (hs_capture.coverage), independently of verify's and merge's planning."""
-    cov = coverage([dump])
-    return {r["id"] for r in rows if not is_complete(cov.get(r["id"], []), len(r["input_ids"]))}
+    alone: the rule send, merge and verify share (hs_capture.coverage through Captured)."""
+    cap = Captured([dump], strict=False)
+    return {r["id"] for r in rows if cap.judge(r["id"], len(r["input_ids"]))[0] is None}
 
 
 def index_lines(dump):

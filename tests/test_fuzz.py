@@ -19,9 +19,10 @@ from hs_capture import format as fmt
 from hs_capture.cli import main
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import RankId
-from hs_capture.reader import DumpError, line_problem, open_runs, stitch
+from hs_capture.reader import DumpError, line_problem, open_runs
 from hs_capture.verify.merged import load_safetensors
 from hs_capture.writer import ShardWriter
+from tests.sglang_cpu.stitch import stitch
 
 FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 

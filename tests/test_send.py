@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.coverage import holes, is_complete
+from hs_capture.coverage import Span, holes, whole_chain
 
 
 class FlakyHandler(http.server.BaseHTTPRequestHandler):
@@ -97,8 +97,24 @@ def test_stop_on_bad_line_sends_nothing_after_it(tmp_path, flaky):
     assert res.exit_code == 1 and summary["stopped_at_bad_line"] and FlakyHandler.seen == []
 
 
-def test_coverage_intervals():
-    assert is_complete([(0, 10)], 10) and is_complete([(0, 11)], 10)
-    assert not is_complete([(3, 10)], 10) and not is_complete([], 1)
+def test_the_completeness_rule():
+    def sp(a, b, order=0):
+        return Span(a, b, (order,))
+
+    assert whole_chain([sp(0, 10)], 10).whole and whole_chain([sp(0, 11)], 10).whole
+    assert not whole_chain([sp(3, 10)], 10).whole and not whole_chain([], 1).whole
+    assert whole_chain([sp(3, 10)], 10).reason == "positions 0..2 missing (a prefix-cache hit?)"
+    # captured whole, then its last token again (a re-send under the radix cache): whole, one extra
+    j = whole_chain([sp(0, 10, 1), sp(9, 10, 5)], 10)
+    assert j.whole and [(s.start, s.end) for s in j.chain] == [(0, 10)] and len(j.extras) == 1
+    # split across two captures (runs): whole from both
+    j = whole_chain([sp(0, 4, 1), sp(4, 10, 2)], 10)
+    assert j.whole and len(j.chain) == 2 and not j.extras
+    # two whole captures: the latest wins at every point
+    j = whole_chain([sp(0, 5, 1), sp(5, 10, 1), sp(0, 10, 3)], 10)
+    assert [s.order for s in j.chain] == [(3,)] and len(j.extras) == 2
+    # covered, but only by pieces that never meet end to start
+    j = whole_chain([sp(0, 6), sp(4, 10)], 10)
+    assert not j.whole and "never line up" in j.reason
     assert holes([(0, 4), (6, 10)], 12) == [(4, 6), (10, 12)]
     assert holes([(2, 12)], 12) == [(0, 2)]

@@ -11,9 +11,10 @@ import pytest
 
 from hs_capture import format as fmt
 from hs_capture.layout import TEMP_MARK
-from hs_capture.reader import open_runs, stitch, tensor_files
+from hs_capture.reader import open_runs, tensor_files
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
+from tests.sglang_cpu.stitch import stitch
 
 LAYERS = [1, 3, 5]
 CHUNK = 128

@@ -12,9 +12,10 @@ import torch
 
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import RankId
-from hs_capture.reader import open_runs, stitch
+from hs_capture.reader import open_runs
 from hs_capture.staging import Stager, may_be_refilled
 from hs_capture.writer import ShardWriter
+from tests.sglang_cpu.stitch import stitch
 
 H = 32
 
@@ -123,7 +124,7 @@ def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forwar
 
     g = PinnedPool.GRANULE
     pool = PinnedPool(pin=False, cap=2 * g)
-    a, b = pool.take(g), pool.take(g)
+    a, _ = pool.take(g), pool.take(g)
     assert pool.hot_allocs == 2 and pool.pinned_bytes == 2 * g
     assert pool.take(g, block=False) is None  # the drop policy's answer
     got = []

@@ -13,7 +13,8 @@ import torch
 from hs_capture import writer as writer_mod
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path
-from hs_capture.reader import open_runs, stitch
+from hs_capture.reader import open_runs
+from tests.sglang_cpu.stitch import stitch
 
 H = 64
 

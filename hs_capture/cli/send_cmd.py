@@ -9,7 +9,8 @@ from typing import List, Optional
 import click
 
 from .. import send as sender
-from ..coverage import coverage, is_complete
+from ..assemble import Captured
+from ..reader import DumpError
 from ._common import JSON, QUIET, Progress, emit_json
 
 
@@ -36,10 +37,13 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]) to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
-    have = coverage([d for d in dump_dirs if os.path.isdir(d)]) if dump_dirs else {}
+    try:  # the rule merge and verify judge by: a sample whole in the dumps is not sent again
+        have = Captured(dump_dirs, strict=False, allow_empty=True) if dump_dirs else None
+    except DumpError as e:
+        raise click.ClickException(str(e))
 
     def skip(sample: sender.Sample) -> bool:
-        return sample.id in have and is_complete(have[sample.id], len(sample.input_ids))
+        return have is not None and have.judge(sample.id, len(sample.input_ids))[0] is not None
 
     failures: List[dict] = []
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import format as fmt
 from ..assemble import MixedRuns, Plan, plan
-from ..layout import TEMP_MARK, TENSOR_SUFFIX
+from ..coverage import Span, describe_extra
+from ..layout import FINAL, TEMP_MARK, TENSOR_SUFFIX, step_parts
 from ..reader import DumpError, Run, first_mismatch, line_problem, open_runs
 from .pool import bounded_map, pick
 from .report import ERROR, WARNING, Report
@@ -48,7 +49,7 @@ def _config_text(key: Tuple) -> str:
 
 
 def _parts(meta: dict) -> Set[str]:
-    return {f"L{k:02d}" for k in meta["layers"]} | {"final"} | ({"prenorm"} if meta.get("prenorm") else set())
+    return set(step_parts(meta["layers"], bool(meta.get("prenorm"))))
 
 
 def _rel(run: Run, path: str) -> str:
@@ -263,7 +264,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
                     report.add("files", f"file has {size} bytes, the index recorded {f['bytes']} "
                                         "(rewritten after capture?)", WARNING, rel)
                 _check_placement(header.metadata, meta.get("run_id"), step.rank, line["step"], part, rel, report)
-                names = {"hidden", "input_ids", "positions"} if part == "final" else {"hidden"}
+                names = {"hidden", "input_ids", "positions"} if part == FINAL else {"hidden"}
                 if set(header.tensors) != names:
                     report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=rel)
                 arrays, bf16 = {}, {}
@@ -289,7 +290,7 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
             report.looked("degenerate")
             for check, msg in value_problems(a, bf16["hidden"]):
                 report.add(check, msg, path=rel)
-        if part == "final":
+        if part == FINAL:
             final = arrays
     report.looked("identical")
     for a, b in identical_pairs(hidden, crcs):
@@ -324,7 +325,7 @@ def _check_shape(name: str, e: fmt.TensorEntry, n: int, hidden_size: int, dtype:
 
 def _check_rows(step: _Step, final: Dict[str, np.ndarray], dataset: Optional[Dict[str, List[int]]],
                 report: Report) -> None:
-    rel = _rel(step.run, os.path.join(step.run.path, step.line["files"]["final"]["path"]))
+    rel = _rel(step.run, os.path.join(step.run.path, step.line["files"][FINAL]["path"]))
     pos, ids = final["positions"], final["input_ids"]
     for s in step.line["seqs"]:
         a, ln, pre = s["offset"], s["len"], s["prefix"]
@@ -345,8 +346,9 @@ def _check_rows(step: _Step, final: Dict[str, np.ndarray], dataset: Optional[Dic
 
 def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], report: Report,
                    lengths: Optional[Dict[str, int]]) -> Optional[Plan]:
-    """Which samples are whole, by the same rule merge uses; plus a rid in two ranks of one run.
-    Returns merge's plan of the samples (None when the runs cannot be planned together)."""
+    """Which samples are whole, by the rule merge and send use (coverage.whole_chain); pieces
+    captured again (a retry, a re-send, another rank) are warnings. Returns merge's plan of the
+    samples (None when the runs cannot be planned together)."""
     try:
         p = plan(paths, lengths, strict=False)
     except MixedRuns:
@@ -365,21 +367,12 @@ def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], re
             lost += 1
             report.add("coverage", f"step {bad[0].step} of {bad[0].rank} is damaged (see the file findings): "
                                    "merge cannot assemble this sample", rid=rid)
-    owners: Dict[Tuple[str, str], Set[str]] = {}
-    for st in steps:
-        for s in st.line["seqs"]:
-            if s["rid"] is not None and not s["rid"].startswith("HEALTH_CHECK_"):
-                owners.setdefault((os.path.basename(st.run.path), s["rid"]), set()).add(st.rank)
-    runs_of: Dict[str, Set[str]] = {}
-    for (run_id, rid), ranks in sorted(owners.items()):
-        runs_of.setdefault(rid, set()).add(run_id)
-        if len(ranks) > 1:
-            report.add("coverage", f"captured by {len(ranks)} ranks of run {run_id} ({', '.join(sorted(ranks))}): "
-                                   "each DP group should own a request alone", rid=rid)
-    for rid, in_runs in sorted(runs_of.items()):
-        if len(in_runs) > 1 and rid in p.samples:
-            report.add("coverage", f"captured in {len(in_runs)} runs; merge uses the latest whole one", WARNING,
-                       rid=rid)
+    for rid, extra in sorted(p.extras.items()):
+        if rid in p.samples:
+            for pc in extra[:3]:
+                where = f"step {pc.step} of {pc.rank}, {os.path.basename(p.runs[pc.run].path)}"
+                report.add("coverage", describe_extra(Span(pc.prefix, pc.prefix + pc.length), where), WARNING,
+                           rid=rid)
     report.stats.update(samples_complete=len(p.samples) - lost, samples_incomplete=len(p.incomplete) + lost,
                         tokens=sum(pc.length for pcs in p.samples.values() for pc in pcs))
     return p

@@ -17,7 +17,7 @@ a wrong layer are off by ~100% of the value; a right capture by ~1-2%, like the 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np

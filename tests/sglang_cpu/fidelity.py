@@ -15,8 +15,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hs_capture.reader import open_runs, stitch
+from hs_capture.reader import open_runs
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
+from tests.sglang_cpu.stitch import stitch
 
 CHUNK = 64
 LENGTHS = (1, 5, 63, 64, 65, 150, 200, 33)  # around the chunk size; 150 and 200 take 3-4 chunks

@@ -1,0 +1,143 @@
+"""One completeness rule (hs_capture.coverage) for send, merge and verify: they agree on a
+sample split across two runs, and on a sample captured whole and then again in part in the
+same run (the radix cache on, the dataset sent twice: the re-send recomputes only the last
+token), which is merged from its whole capture."""
+
+import json
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from hs_capture import format as fmt
+from hs_capture.cli import main
+from hs_capture.layout import RankId, step_file
+from hs_capture.reader import open_runs
+from hs_capture.writer import atomic_write
+from tests.sglang_cpu.harness import Server, hscap_send, server_env, write_jsonl
+from tests.test_verify import errors, verify
+
+
+def cli(*args):
+    res = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return res.exit_code, res
+
+
+def send_dry_run(data, dump):
+    code, res = cli("send", data, "--dry-run", "--dump-dir", dump, "--json", "--failures", os.devnull + "x")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def merged_ids(dump, data, out):
+    code, res = cli("merge", dump, "-o", str(out), "--format", "modelopt", "--dataset", data, "--json")
+    assert code == 0, res.output
+    with open(os.path.join(out, "merge_report.json")) as f:
+        return json.loads(res.stdout.strip().splitlines()[-1]), json.load(f)
+
+
+def split_run(dump, from_step):
+    """Move the steps >= from_step of the dump's one run into a later run of their own (files
+    re-written under that run's id, as its own server would have): a sample whose chunks were
+    captured by two runs."""
+    (run,) = open_runs(dump)
+    new_id = "run-99991231T000000Z-split-1"
+    new = os.path.join(dump, new_id)
+    for sub in ("ranks", "index"):
+        os.makedirs(os.path.join(new, sub))
+    for tag, meta in run.ranks.items():
+        keep, move = [], []
+        for line in run.index(tag):
+            (move if line["step"] >= from_step else keep).append(line)
+        for path, run_id, lines in ((os.path.join(run.path, "ranks", tag + ".json"), meta["run_id"], keep),
+                                    (os.path.join(new, "ranks", tag + ".json"), new_id, move)):
+            stats = {**meta["stats"], "steps_written": sum(1 for x in lines if "files" in x),
+                     "tokens_written": sum(x["num_tokens"] for x in lines if "files" in x)}
+            with open(path, "w") as f:
+                json.dump({**meta, "run_id": run_id, "stats": stats}, f)
+        for line in move:  # the new run numbers its steps from 0, as a new server does
+            line["step"] -= from_step
+            for part, info in line["files"].items():
+                src = os.path.join(run.path, info["path"])
+                with open(src, "rb") as f:
+                    header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
+                    tensors = [fmt.RawTensor(n, e.dtype, list(e.shape), fmt.read_tensor_bytes(f, header, n))
+                               for n, e in header.tensors.items()]
+                info["path"] = step_file(RankId(*(int(x[2:]) for x in tag.split("-"))), line["step"], part)
+                dst = os.path.join(new, info["path"])
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                md = {**header.metadata, "run_id": new_id, "step": str(line["step"])}
+                info["bytes"] = atomic_write(dst, fmt.encode_file(tensors, md), False)
+                os.remove(src)
+        for path, lines in ((os.path.join(run.path, "index", tag + ".jsonl"), keep),
+                            (os.path.join(new, "index", tag + ".jsonl"), move)):
+            with open(path, "w") as f:
+                f.writelines(json.dumps(x) + "\n" for x in lines)
+    return run, new
+
+
+def test_a_sample_split_across_two_runs_is_whole_for_send_merge_and_verify(served_dump, tmp_path):
+    dump = str(tmp_path / "dump")
+    shutil.copytree(served_dump["dir"], dump)
+    (run,) = open_runs(dump)
+    tag = next(iter(run.ranks))
+    long_rid = served_dump["rows"][7]["id"]  # 600 tokens: five 128-token chunks
+    steps = sorted(x["step"] for x in run.index(tag) if any(s["rid"] == long_rid for s in x["seqs"]))
+    assert len(steps) >= 3
+    split_run(dump, steps[1])  # its first chunk in the first run, the rest in the second
+    rows, data = served_dump["rows"], served_dump["data"]
+    assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows)  # send: nothing to re-send
+    summary, report = merged_ids(dump, data, tmp_path / "out")
+    assert summary["written"] == len(rows) and report["incomplete"] == {}  # merge: all written
+    code, doc = verify(dump, "--dataset", data)
+    assert code == 0 and doc["stats"]["samples_complete"] == len(rows), errors(doc)  # verify: all whole
+    _, doc = verify(str(tmp_path / "out"), "--dataset", data)
+    assert doc["ok"], errors(doc)
+
+
+@pytest.fixture(scope="module")
+def sent_twice(tiny_model, tmp_path_factory):
+    """The radix cache ON and the dataset sent twice to one server: the second send hits the
+    cache and recomputes (and so captures) only each sample's last token."""
+    root = tmp_path_factory.mktemp("twice")
+    rows = [{"id": f"r{i}", "input_ids": [(7 * i + j) % 900 + 2 for j in range(n)]}
+            for i, n in enumerate([30, 90, 150, 64, 200, 45])]
+    data = write_jsonl(root / "data.jsonl", rows)
+    dump = str(root / "dump")
+    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3"), str(root / "server.log"),
+                 ["--chunked-prefill-size", "128"])  # the radix cache stays on
+    try:
+        srv.wait_healthy()
+        for attempt in range(2):
+            rc, summary = hscap_send(data, "--url", srv.url, "-c", "2", "--failures", str(root / f"f{attempt}.jsonl"))
+            assert rc == 0 and summary["sent"] == len(rows)
+    finally:
+        srv.stop()
+    return {"dump": dump, "data": data, "rows": rows, "root": root}
+
+
+def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_capture(sent_twice, tmp_path):
+    dump, data, rows = sent_twice["dump"], sent_twice["data"], sent_twice["rows"]
+    (run,) = open_runs(dump)
+    seen = {}
+    for tag in run.ranks:
+        for line in run.index(tag):
+            for s in line["seqs"]:
+                seen.setdefault(s["rid"], []).append((s["prefix"], s["len"]))
+    again = [r["id"] for r in rows if len(seen[r["id"]]) > 1 and any(p > 0 for p, _ in seen[r["id"]])]
+    assert len(again) >= 4, seen  # the re-sends hit the radix cache: captured again in part
+    assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows)
+    summary, report = merged_ids(dump, data, tmp_path / "out")
+    assert summary["written"] == len(rows) and report["incomplete"] == {}
+    assert set(again) <= set(report["recaptured"])
+    code, doc = verify(dump, "--dataset", data)
+    assert code == 0 and doc["stats"]["samples_complete"] == len(rows), errors(doc)
+    warned = {f["rid"] for f in doc["findings"] if f["check"] == "coverage" and f["severity"] == "warning"}
+    assert set(again) <= warned
+    code, doc = verify(str(tmp_path / "out"), "--dataset", data, "--reference", sent_twice_model(sent_twice))
+    assert code == 0, errors(doc)
+
+
+def sent_twice_model(sent_twice):
+    (run,) = open_runs(sent_twice["dump"])
+    return run.meta["model_path"]
