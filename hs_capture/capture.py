@@ -253,7 +253,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
         writer.start()
         _writers.add(writer)
         writer.prewarm(_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
-        _install_shutdown()
+        _install_shutdown(cfg.flush_timeout_s)
     state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm,
                          target.select if target is not None else LIST)
     if cfg.prenorm and writer is not None:
@@ -339,7 +339,7 @@ def close_all(timeout: float = 600.0) -> None:
                  s["steps_dropped"], s["steps_failed"])
 
 
-def _install_shutdown() -> None:
+def _install_shutdown(flush_timeout_s: float) -> None:
     """Flush on normal exit and on SIGTERM (then hand the signal to whoever had it)."""
     global _shutdown_installed
     if _shutdown_installed:
@@ -354,7 +354,7 @@ def _install_shutdown() -> None:
         return
 
     def on_sigterm(signum, frame):
-        close_all(float(os.environ.get("HSCAP_FLUSH_TIMEOUT_S", "120")))
+        close_all(flush_timeout_s)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:

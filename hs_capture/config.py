@@ -34,6 +34,7 @@ class CaptureConfig:
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
     prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
     min_free_bytes: int = 1 << 30  # capture stops (serving goes on) below this much free space
+    flush_timeout_s: float = 120.0  # how long SIGTERM waits for queued steps
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -47,6 +48,11 @@ def dump_dir_from_env(env: Mapping[str, str] = os.environ) -> Optional[str]:
         if value:
             return value
     return None
+
+
+def forced(env: Mapping[str, str] = os.environ) -> bool:
+    """HSCAP_FORCE=1: run on an sglang outside the supported range."""
+    return env.get("HSCAP_FORCE", "").strip() in ("1", "true", "yes")
 
 
 def is_enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -128,7 +134,21 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
         prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
         min_free_bytes=_min_free(env),
+        flush_timeout_s=_float(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0),
     )
+
+
+def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: expected a number") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value:g} is outside [{low:g}, {high:g}]")
+    return value
 
 
 def _min_free(env: Mapping[str, str]) -> int:

@@ -30,14 +30,6 @@ class Finding:
     action: str = ""
 
 
-def _version_tuple(text: str) -> tuple:
-    out = []
-    for part in text.split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        out.append(int(digits) if digits else 0)
-    return tuple(out)
-
-
 def check_sglang() -> List[Finding]:
     try:
         import sglang  # noqa: F401
@@ -45,14 +37,14 @@ def check_sglang() -> List[Finding]:
         return [Finding("sglang", BLOCK, f"sglang does not import here: {type(e).__name__}: {e}",
                         "run doctor with the server's python")]
     from .sglang_compat import sglang_version
+    from .versions import problem
 
-    version = sglang_version()
-    floor = _instruments[0].split(">=")[1].strip()
-    if _version_tuple(version) < _version_tuple(floor):
-        forced = os.environ.get("HSCAP_FORCE") in ("1", "true", "yes")
-        return [Finding("sglang", WARN if forced else BLOCK, f"sglang {version} is older than {floor}",
-                        "" if forced else "upgrade sglang, or set HSCAP_FORCE=1 at your own risk")]
-    return [Finding("sglang", OK, f"sglang {version} (supported: {_instruments[0]})")]
+    found = problem()
+    if found:
+        force = config_mod.forced()
+        return [Finding("sglang", WARN if force else BLOCK, found,
+                        "" if force else "use a supported sglang, or set HSCAP_FORCE=1 at your own risk")]
+    return [Finding("sglang", OK, f"sglang {sglang_version()} (supported: {_instruments[0]})")]
 
 
 def target_problems(t: Target) -> List[str]:

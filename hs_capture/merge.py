@@ -23,8 +23,8 @@ from .reader import DumpError, first_mismatch
 from . import format as fmt
 from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
 from .layout import MERGE_REPORT, TEMP_MARK
-from .send import read_dataset
-from .writer import atomic_write
+from .inputs import read_dataset
+from .files import atomic_write
 
 REPORT = MERGE_REPORT
 ALL_FORMATS = sorted(FORMATS) + ["hscap"]

@@ -1,6 +1,6 @@
-"""Feed a dataset to a running SGLang server so hs_capture dumps it: one /generate per
-sample, rid = the sample's id, one new token at temperature 0. Stdlib HTTP only; never
-imports sglang."""
+"""Feed the input file (inputs.py) to a running SGLang server so hs_capture dumps it: one
+/generate per sample, rid = the sample's id, one new token at temperature 0. Stdlib HTTP
+only; never imports sglang."""
 
 from __future__ import annotations
 
@@ -12,55 +12,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Iterator, Optional, Set, Tuple
 
-
-class BadLine(ValueError):
-    """A dataset line that cannot be sent; the message names the line."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    line: int
-    id: str
-    input_ids: List[int]
-
-
-def read_dataset(path: str) -> Iterator[Tuple[int, Optional[Sample], Optional[str]]]:
-    """Yield (line number, sample or None, error or None) for every non-blank line."""
-    seen: Set[str] = set()
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                sample = parse_line(raw, n)
-                if sample.id in seen:
-                    raise BadLine(f"line {n}: duplicate id {sample.id!r}")
-                seen.add(sample.id)
-                yield n, sample, None
-            except BadLine as e:
-                yield n, None, str(e)
-
-
-def parse_line(raw: bytes, n: int) -> Sample:
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:
-        raise BadLine(f"line {n}: not JSON ({e.msg})") from None
-    if not isinstance(obj, dict):
-        raise BadLine(f"line {n}: not a JSON object")
-    sid = obj.get("id")
-    if not isinstance(sid, (str, int)) or isinstance(sid, bool) or str(sid) == "":
-        raise BadLine(f"line {n}: 'id' must be a non-empty string or integer")
-    ids = obj.get("input_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadLine(f"line {n}: 'input_ids' must be a non-empty list of non-negative integers")
-    mask = obj.get("loss_mask")
-    if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)
-                             or not all(m in (0, 1) for m in mask)):
-        raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id")
-    return Sample(n, str(sid), ids)
+from .inputs import InputSample
 
 
 class ServerError(Exception):
@@ -69,7 +23,7 @@ class ServerError(Exception):
         self.retryable = retryable
 
 
-def post_generate(url: str, sample: Sample, timeout: float) -> dict:
+def post_generate(url: str, sample: InputSample, timeout: float) -> dict:
     body = json.dumps({"input_ids": sample.input_ids, "rid": sample.id,
                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
     req = urllib.request.Request(url.rstrip("/") + "/generate", data=body,
@@ -101,7 +55,7 @@ class SendStats:
         return self.sent / dt, self.tokens / dt
 
 
-def send_one(url: str, sample: Sample, retries: int, timeout: float, backoff: float,
+def send_one(url: str, sample: InputSample, retries: int, timeout: float, backoff: float,
              sleep: Callable[[float], None] = time.sleep) -> Tuple[Optional[str], int]:
     """Returns (error or None, retries used). Connection errors and 5xx back off and retry."""
     for attempt in range(retries + 1):
@@ -115,8 +69,8 @@ def send_one(url: str, sample: Sample, retries: int, timeout: float, backoff: fl
     return "unreachable", retries
 
 
-def run(url: str, samples: Iterator[Tuple[int, Optional[Sample], Optional[str]]], *, concurrency: int,
-        retries: int, timeout: float, backoff: float, skip: Callable[[Sample], bool],
+def run(url: str, samples: Iterator[Tuple[int, Optional[InputSample], Optional[str]]], *, concurrency: int,
+        retries: int, timeout: float, backoff: float, skip: Callable[[InputSample], bool],
         on_failure: Callable[[dict], None], on_progress: Callable[[SendStats], None],
         stop_on_bad_line: bool) -> SendStats:
     """Send every sample with at most `concurrency` in flight; failures go to on_failure."""
@@ -124,7 +78,7 @@ def run(url: str, samples: Iterator[Tuple[int, Optional[Sample], Optional[str]]]
     lock = threading.Lock()
     stop = threading.Event()
 
-    def task(sample: Sample) -> None:
+    def task(sample: InputSample) -> None:
         err, used = send_one(url, sample, retries, timeout, backoff)
         with lock:
             stats.retries += used

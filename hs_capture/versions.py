@@ -1,17 +1,18 @@
-"""Dependency gate (after OpenTelemetry's get_dependency_conflicts): returns a
-problem string instead of raising; HSCAP_FORCE=1 overrides."""
+"""The one version gate (after OpenTelemetry's get_dependency_conflicts): what the host has
+against what hs_capture instruments (package.py), as a problem string, never an exception.
+The hook refuses to patch on a problem unless HSCAP_FORCE=1; doctor reports it."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
+from .config import forced
 from .package import _instruments
 
 
-def check_host() -> Optional[str]:
-    if os.environ.get("HSCAP_FORCE", "") in ("1", "true", "yes"):
-        return None
+def problem() -> Optional[str]:
+    """Why the installed host is outside the supported range, or None (also when it cannot tell)."""
     try:
         from importlib.metadata import PackageNotFoundError, version
 
@@ -27,3 +28,8 @@ def check_host() -> Optional[str]:
         if not req.specifier.contains(have, prereleases=True):
             return f"{req.name} {have} is not supported (hs_capture instruments {spec})"
     return None
+
+
+def check_host(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """problem(), unless HSCAP_FORCE=1."""
+    return None if forced(env) else problem()

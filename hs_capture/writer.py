@@ -22,7 +22,8 @@ import torch
 
 from . import format as fmt
 from .config import CaptureConfig, ConfigError, default_writer_threads
-from .layout import FINAL, RankId, index_path, part_name, rank_meta_path, step_file, temp_name
+from .files import atomic_write, fsync_dir, remove_quietly
+from .layout import FINAL, RankId, index_path, part_name, rank_meta_path, step_file
 from .log import get_logger
 from .staging import AsyncCopier, Staged, Stager
 
@@ -37,33 +38,6 @@ _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.
 
 def dtype_name(dtype: torch.dtype) -> str:
     return _TORCH_DTYPE_NAMES[dtype]
-
-
-def atomic_write(path: str, chunks: List[Any], fsync: bool) -> int:
-    """Write chunks to a temp sibling, fsync, rename into place. Returns bytes written."""
-    tmp = temp_name(path)
-    written = 0
-    try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-                written += len(c) if isinstance(c, (bytes, bytearray)) else memoryview(c).nbytes
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove_quietly([tmp])
-        raise
-    return written
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Budget:
@@ -119,8 +93,6 @@ class ShardWriter:
         self.failure: Optional[str] = None
         self.stopped: Optional[Dict[str, Any]] = None  # set once, when capture stops for good
         self._reserve: Optional[str] = None  # space held back for the metadata (start() makes it)
-        # Fault injection for tests: a slow disk (seconds per step).
-        self._test_delay = float(os.environ.get("HSCAP_TEST_WRITE_DELAY_MS", "0") or 0) / 1000.0
 
     @property
     def pinned_pool(self):
@@ -234,7 +206,7 @@ class ShardWriter:
 
     def _free_reserve(self) -> None:
         if self._reserve:
-            _remove_quietly([self._reserve])
+            remove_quietly([self._reserve])
             self._reserve = None
 
     def _failed(self, step: int, e: BaseException) -> None:
@@ -290,8 +262,6 @@ class ShardWriter:
 
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
         staged.ready()
-        if self._test_delay:
-            time.sleep(self._test_delay)
         files = {}
         raw_total = file_total = 0
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
@@ -313,18 +283,18 @@ class ShardWriter:
             try:
                 size = atomic_write(path, chunks, self.cfg.fsync)
             except BaseException:
-                _remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+                remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
                 raise
             files[part] = {"path": rel, "bytes": size}
             raw_total += sum(x.data.nbytes for x in tensors)
             file_total += size
         if self.cfg.fsync:
             for d in dirs:
-                _fsync_dir(d)
+                fsync_dir(d)
         try:
             self._append_index({**meta, "step": step, "files": files, "time": time.time()})
         except BaseException:  # not indexed: not committed, so leave no files that look written
-            _remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+            remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
             raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
@@ -360,14 +330,6 @@ class ShardWriter:
             body["last_failure"] = self.failure
         data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
         atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)
-
-
-def _remove_quietly(paths) -> None:
-    for p in paths:
-        try:
-            os.remove(p)
-        except OSError:
-            pass
 
 
 def _bytes_of(t: torch.Tensor):

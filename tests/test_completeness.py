@@ -14,7 +14,7 @@ from hs_capture import format as fmt
 from hs_capture.cli import main
 from hs_capture.layout import RankId, step_file
 from hs_capture.reader import open_runs
-from hs_capture.writer import atomic_write
+from hs_capture.files import atomic_write
 from tests.sglang_cpu.harness import Server, hscap_send, server_env, write_jsonl
 from tests.test_verify import errors, verify
 

@@ -67,7 +67,7 @@ def test_kill_9_mid_capture_loses_nothing_committed_and_a_resend_completes_it(ti
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     dump = str(tmp_path / "dump")
     # A slow disk keeps steps queued in memory when the kill comes.
-    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_TEST_WRITE_DELAY_MS="150"),
+    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_TEST_SLOW_DISK_MS="150"),
                  str(tmp_path / "s1.log"), CHUNK)
     sender = None
     try:
@@ -160,7 +160,7 @@ def test_slow_disk_with_the_drop_policy_counts_and_reports_every_drop(tiny_model
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     dump = str(tmp_path / "dump")
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_ON_FULL="drop", HSCAP_MAX_INFLIGHT_MB="1",
-                                        HSCAP_TEST_WRITE_DELAY_MS="400"), str(tmp_path / "s.log"), CHUNK)
+                                        HSCAP_TEST_SLOW_DISK_MS="400"), str(tmp_path / "s.log"), CHUNK)
     try:
         srv.wait_healthy()
         rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(tmp_path / "f.jsonl"))

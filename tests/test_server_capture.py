@@ -153,7 +153,7 @@ def test_hscap_ls_summarises_the_dump(captured):
 def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
     """A slow disk leaves steps queued when the orchestrator sends SIGTERM: none is lost."""
     dump = str(tmp_path / "dump")
-    env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_WRITE_DELAY_MS="400")
+    env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_SLOW_DISK_MS="400")
     srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", "64"])
     rng = random.Random(1)
     reqs = {f"s{i}": [rng.randrange(2, 1000) for _ in range(rng.randrange(20, 200))] for i in range(8)}

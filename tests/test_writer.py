@@ -12,7 +12,7 @@ import torch
 
 from hs_capture import writer as writer_mod
 from hs_capture.config import CaptureConfig
-from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path
+from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
 from hs_capture.reader import open_runs
 from tests.sglang_cpu.stitch import stitch
 
@@ -117,9 +117,9 @@ def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_pa
     def disk_full(path, chunks, fsync):
         calls["n"] += 1
         if calls["n"] == 2:  # the step's second file: the first is already in place
-            with open(writer_mod.temp_name(path), "wb") as f:
+            with open(temp_name(path), "wb") as f:
                 f.write(b"partial")
-            os.remove(writer_mod.temp_name(path))
+            os.remove(temp_name(path))
             raise OSError(errno.EIO, "Input/output error")
         return real(path, chunks, fsync)
 

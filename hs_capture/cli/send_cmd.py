@@ -10,6 +10,7 @@ import click
 
 from .. import send as sender
 from ..assemble import Captured
+from ..inputs import InputSample, read_dataset
 from ..reader import DumpError
 from ._common import JSON, QUIET, Progress, emit_json
 
@@ -42,7 +43,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     except DumpError as e:
         raise click.ClickException(str(e))
 
-    def skip(sample: sender.Sample) -> bool:
+    def skip(sample: InputSample) -> bool:
         return have is not None and have.judge(sample.id, len(sample.input_ids))[0] is not None
 
     failures: List[dict] = []
@@ -62,7 +63,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
 
     if dry_run:
         stats = sender.SendStats()
-        for n, sample, error in sender.read_dataset(dataset):
+        for n, sample, error in read_dataset(dataset):
             if error is not None:
                 stats.bad_lines += 1
                 on_failure({"id": None, "line": n, "error": error})
@@ -75,7 +76,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
                 stats.sent += 1
                 stats.tokens += len(sample.input_ids)
     else:
-        stats = sender.run(url, sender.read_dataset(dataset), concurrency=concurrency, retries=retries,
+        stats = sender.run(url, read_dataset(dataset), concurrency=concurrency, retries=retries,
                            timeout=timeout, backoff=backoff, skip=skip, on_failure=on_failure,
                            on_progress=on_progress, stop_on_bad_line=on_bad_line == "stop")
     progress.close()

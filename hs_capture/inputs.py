@@ -1,0 +1,58 @@
+"""The input file a user sends and merges by: JSONL, one sample a line,
+{"id": ..., "input_ids": [...], "loss_mask": [...]} (loss_mask optional). Parsed line by line,
+each problem named by its line number. A leaf: `hscap send` reads it to send, merge and
+verify read it for ids, lengths and loss masks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Set, Tuple
+
+
+class BadLine(ValueError):
+    """A dataset line that cannot be sent; the message names the line."""
+
+
+@dataclass(frozen=True)
+class InputSample:
+    line: int
+    id: str
+    input_ids: List[int]
+
+
+def read_dataset(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[str]]]:
+    """Yield (line number, sample or None, error or None) for every non-blank line."""
+    seen: Set[str] = set()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                sample = parse_line(raw, n)
+                if sample.id in seen:
+                    raise BadLine(f"line {n}: duplicate id {sample.id!r}")
+                seen.add(sample.id)
+                yield n, sample, None
+            except BadLine as e:
+                yield n, None, str(e)
+
+
+def parse_line(raw: bytes, n: int) -> InputSample:
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise BadLine(f"line {n}: not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise BadLine(f"line {n}: not a JSON object")
+    sid = obj.get("id")
+    if not isinstance(sid, (str, int)) or isinstance(sid, bool) or str(sid) == "":
+        raise BadLine(f"line {n}: 'id' must be a non-empty string or integer")
+    ids = obj.get("input_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BadLine(f"line {n}: 'input_ids' must be a non-empty list of non-negative integers")
+    mask = obj.get("loss_mask")
+    if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)
+                             or not all(m in (0, 1) for m in mask)):
+        raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id")
+    return InputSample(n, str(sid), ids)
