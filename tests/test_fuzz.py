@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hs_capture import format as fmt
 from hs_capture.cli import main
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import RankId
-from hs_capture.reader import DumpError, line_problem, open_runs
+from hs_capture.reader import line_problem, open_runs
 from hs_capture.verify.merged import load_safetensors
 from hs_capture.writer import ShardWriter
 from tests.sglang_cpu.stitch import stitch
@@ -73,22 +74,30 @@ def test_random_bytes_are_never_a_tensor_file(data):
 
 
 @FUZZ
-@given(nbytes=st.integers(0, 1 << 62), shape=st.lists(st.integers(0, 1 << 40), max_size=4),
-       codec=st.sampled_from(fmt.CODECS), dtype=st.sampled_from(sorted(fmt.ITEMSIZE)))
-def test_headers_claiming_huge_tensors_are_refused_without_allocating(nbytes, shape, codec, dtype):
+@given(shape=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=3), codec=st.sampled_from(fmt.CODECS),
+       dtype=st.sampled_from(sorted(fmt.ITEMSIZE)))
+def test_headers_claiming_huge_tensors_are_refused_without_allocating(shape, codec, dtype):
+    """A valid header (nbytes = its shape's) over a 64-byte frame: whatever size it claims (up
+    to 2^60 bytes), reading allocates about what the file holds, never what the header says."""
     import zstandard
 
-    frame = zstandard.ZstdCompressor().compress(b"\0" * 64)  # 64 bytes, whatever the header says
+    frame = zstandard.ZstdCompressor().compress(b"\0" * 64)
+    nbytes = int(np.prod(shape)) * fmt.ITEMSIZE[dtype]
     header = {"__format__": {"version": 1},
               "x": {"dtype": dtype, "shape": shape, "codec": codec, "offsets": [0, len(frame)], "nbytes": nbytes,
                     "crc32": 0}}
     body = json.dumps(header).encode()
     body += b" " * (-len(body) % 8)
     blob = fmt.MAGIC + len(body).to_bytes(8, "little") + body + frame
+    tracemalloc.start()
     try:
         read_all(blob)
     except fmt.FormatError:
         pass
+    finally:
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert peak < 4 << 20, f"{peak} bytes allocated for a {len(blob)}-byte file claiming {nbytes}"
 
 
 def test_a_frame_declaring_far_more_than_it_can_hold_is_refused():
@@ -161,8 +170,9 @@ def _damage(dump: str, tmp, which: str, data: bytes) -> str:
 def test_verify_and_merge_on_damaged_metadata_exit_cleanly(small_dump, tmp_path, which, data):
     d = _damage(small_dump, tmp_path, which, data)
     res = CliRunner().invoke(main, ["verify", "--json", d])
-    assert res.exit_code in (0, 1) and res.exception is None or isinstance(res.exception, SystemExit), res.output
-    assert "Traceback" not in res.output
+    assert res.exit_code in (0, 1) and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
+    doc = json.loads(res.stdout.strip().splitlines()[-1])  # a verdict, with the damage as findings
+    assert doc["ok"] == (res.exit_code == 0) and (doc["ok"] or doc["findings"])
     res = CliRunner().invoke(main, ["merge", d, "-o", os.path.join(str(tmp_path), "o"), "--format", "hscap"])
     assert res.exit_code in (0, 1) and (res.exception is None or isinstance(res.exception, SystemExit)), res.output
 
@@ -187,7 +197,7 @@ def test_safetensors_reader_fails_only_with_format_errors(tmp_path_factory, edit
         f.write(blob)
     try:
         load_safetensors(bad)
-    except (fmt.FormatError, ValueError):
+    except fmt.FormatError:
         pass
 
 
@@ -203,7 +213,5 @@ def test_reading_a_dump_never_unpickles(small_dump, monkeypatch):
     assert sorted(samples) == ["r0", "r1", "r2"] and all(np.isfinite(s.final).all() for s in samples.values())
     res = CliRunner().invoke(main, ["verify", "--json", small_dump])
     assert res.exit_code == 0, res.output
-    try:
+    with pytest.raises(FileNotFoundError):  # the CLI refuses a missing dir before (click.Path(exists=True))
         open_runs(os.path.join(small_dump, "nope"))
-    except (DumpError, OSError):
-        pass
