@@ -7,7 +7,7 @@ message is the one line the server prints before it refuses to start.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Mapping, Optional
 
 from .codec import CODECS
@@ -35,7 +35,6 @@ class CaptureConfig:
     prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
     min_free_bytes: int = 1 << 30  # capture stops (serving goes on) below this much free space
     flush_timeout_s: float = 120.0  # how long SIGTERM waits for queued steps
-    extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def run_dir(self) -> str:

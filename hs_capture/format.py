@@ -43,7 +43,15 @@ class BadMagic(FormatError):
 
 
 class HeaderTooLarge(FormatError):
-    pass
+    """The header declares more than MAX_HEADER_BYTES."""
+
+
+class Truncated(FormatError):
+    """The file ends before what its header describes (the header itself, or the payload)."""
+
+
+class TrailingBytes(FormatError):
+    """The file holds bytes past what its header describes."""
 
 
 class InvalidHeader(FormatError):
@@ -59,7 +67,7 @@ class TensorInvalidInfo(FormatError):
 
 
 class InvalidOffset(FormatError):
-    pass
+    """Tensors' byte ranges leave a gap, overlap, or disagree with their shape."""
 
 
 class ChecksumMismatch(FormatError):
@@ -192,7 +200,7 @@ def read_header(f: BinaryIO, file_size: int) -> Header:
     if n > MAX_HEADER_BYTES:
         raise HeaderTooLarge(f"header length {n} exceeds {MAX_HEADER_BYTES}")
     if _PREFIX + n > file_size:
-        raise HeaderTooLarge(f"header length {n} runs past the end of the {file_size}-byte file")
+        raise Truncated(f"header length {n} runs past the end of the {file_size}-byte file")
     raw = f.read(n)
     try:
         text = raw.decode("utf-8")
@@ -218,10 +226,10 @@ def read_header(f: BinaryIO, file_size: int) -> Header:
             raise InvalidOffset(f"{e.name}: offsets [{e.begin}, {e.end}) leave a gap or overlap")
         expected = e.end
     payload_start = _PREFIX + n
-    if payload_start + expected != file_size:
-        raise InvalidOffset(
-            f"payload ends at {payload_start + expected} but the file has {file_size} bytes"
-        )
+    if payload_start + expected > file_size:
+        raise Truncated(f"payload ends at {payload_start + expected} but the file has {file_size} bytes")
+    if payload_start + expected < file_size:
+        raise TrailingBytes(f"payload ends at {payload_start + expected} but the file has {file_size} bytes")
     return Header(meta, tensors, payload_start)
 
 

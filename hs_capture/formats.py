@@ -1,7 +1,8 @@
 """The training formats `hscap merge` writes, one function each (DESIGN.md section 5).
 
-Each writer gets one assembled sample and writes one file atomically (hidden temp name,
-then rename), so a killed merge never leaves a file that looks complete.
+The per-sample writers get one assembled sample and write one file; the native writer
+packs many samples into one shard. Every file is written atomically (hidden temp name, then
+rename), so a killed merge never leaves a file that looks complete.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ GOOD = {"__format__": {"version": 1}, "x": {"dtype": "float32", "shape": [2], "c
     (b"HSCA", fmt.HeaderTooSmall),
     (b"NOTMAGIC" + b"\0" * 8, fmt.BadMagic),
     (fmt.MAGIC + struct.pack("<Q", 1 << 40), fmt.HeaderTooLarge),  # huge N
-    (fmt.MAGIC + struct.pack("<Q", 64) + b"{}", fmt.HeaderTooLarge),  # N past the end
+    (fmt.MAGIC + struct.pack("<Q", 64) + b"{}", fmt.Truncated),  # N past the end
     (fmt.MAGIC + struct.pack("<Q", 8) + b"\xff\xfe      ", fmt.InvalidHeader),
     (fmt.MAGIC + struct.pack("<Q", 8) + b"[1]     ", fmt.InvalidHeader),
     (_with_header({"__format__": {"version": 99}}), fmt.UnsupportedVersion),
@@ -85,8 +85,8 @@ GOOD = {"__format__": {"version": 1}, "x": {"dtype": "float32", "shape": [2], "c
     (_with_header({**GOOD, "x": {**GOOD["x"], "codec": "lz4"}}, b"\0" * 8), fmt.CodecError),
     (_with_header({**GOOD, "x": {**GOOD["x"], "offsets": [4, 12]}}, b"\0" * 12), fmt.InvalidOffset),
     (_with_header({**GOOD, "y": {**GOOD["x"]}}, b"\0" * 16), fmt.InvalidOffset),  # overlapping
-    (_with_header(GOOD, b"\0" * 9), fmt.InvalidOffset),  # trailing byte
-    (_with_header(GOOD, b"\0" * 7), fmt.InvalidOffset),  # truncated
+    (_with_header(GOOD, b"\0" * 9), fmt.TrailingBytes),  # trailing byte
+    (_with_header(GOOD, b"\0" * 7), fmt.Truncated),  # truncated
 ])
 def test_malformed_headers_are_rejected_by_rule(blob, error):
     with pytest.raises(error):

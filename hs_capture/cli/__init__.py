@@ -1,4 +1,5 @@
-"""`hscap`: the offline command line, one module per command. Never imports sglang."""
+"""`hscap`: the command line, one module per command. Only `doctor` (and `serve`'s probe, in
+the server's own Python) imports sglang, lazily; the offline commands never do."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k
     headers: dict = {}
     for it in rng.sample(items, min(k, len(items))):
         try:
-            s = load_item(it, None, headers)
+            s = load_item(it, headers)
         except Exception:
             continue  # the sample checks report unreadable files
         h = s.hidden_size

@@ -246,12 +246,13 @@ def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int
                 read += size
                 try:
                     header = fmt.read_header(fh, size)
-                except fmt.InvalidOffset as e:
-                    short = "past the end" in str(e) or (isinstance(f.get("bytes"), int) and size < f["bytes"])
-                    report.add("truncated" if short else "header", str(e), path=rel)
+                except fmt.Truncated as e:
+                    report.add("truncated", str(e), path=rel)
                     continue
-                except fmt.HeaderTooLarge as e:
-                    report.add("truncated" if "past the end" in str(e) else "header", str(e), path=rel)
+                except (fmt.InvalidOffset, fmt.TrailingBytes) as e:
+                    # shorter than the index says it was written: cut, whatever the header then claims
+                    short = isinstance(f.get("bytes"), int) and size < f["bytes"]
+                    report.add("truncated" if short else "header", f"{type(e).__name__}: {e}", path=rel)
                     continue
                 except _HEADER_ERRORS as e:
                     report.add("header", f"{type(e).__name__}: {e}", path=rel)

@@ -125,7 +125,8 @@ def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tupl
             raise fmt.HeaderTooSmall(f"{size} bytes: no safetensors header")
         (n,) = struct.unpack("<Q", f.read(8))
         if 8 + n > size or n > fmt.MAX_HEADER_BYTES:
-            raise fmt.HeaderTooLarge(f"header length {n} runs past the end of the {size}-byte file")
+            raise (fmt.HeaderTooLarge if n > fmt.MAX_HEADER_BYTES else fmt.Truncated)(
+                f"header length {n} runs past the end of the {size}-byte file")
         try:
             header = json.loads(f.read(n))
             meta = header.pop("__metadata__", {}) or {}
@@ -145,7 +146,7 @@ def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tupl
             if b - a != count * item or a < 0:
                 raise fmt.InvalidOffset(f"{name}: offsets [{a}, {b}) disagree with shape {shape} of {dt}")
             if 8 + n + b > size:
-                raise fmt.InvalidOffset(f"{name}: data ends at {8 + n + b}, past the end of the {size}-byte file")
+                raise fmt.Truncated(f"{name}: data ends at {8 + n + b}, past the end of the {size}-byte file")
             f.seek(8 + n + a)
             raw = f.read(b - a)
             if dtypes is not None:
@@ -155,7 +156,8 @@ def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tupl
                     np.float32 if dt.startswith("F") else np.int64)
             end = max(end, b)
         if 8 + n + end != size:
-            raise fmt.InvalidOffset(f"payload ends at {8 + n + end} but the file has {size} bytes")
+            raise (fmt.Truncated if 8 + n + end > size else fmt.TrailingBytes)(
+                f"payload ends at {8 + n + end} but the file has {size} bytes")
     return out, meta
 
 
@@ -171,7 +173,7 @@ class Loaded:
     dtype: str = "float32"  # the states' stored dtype (the arrays above are widened to float32)
 
 
-def load_item(item: Item, hidden_size: Optional[int], headers: Dict[str, fmt.Header]) -> Loaded:
+def load_item(item: Item, headers: Dict[str, fmt.Header]) -> Loaded:
     """Read one merged sample in its format's layout. KeyError / ValueError: wrong layout."""
     if item.fmt == "specforge":
         d = _load_torch(item.path)
@@ -231,8 +233,8 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
                headers: Dict[str, fmt.Header], seen: Dict[str, str]) -> Optional[Loaded]:
     report.looked("samples")
     try:
-        s = load_item(item, None, headers)
-    except fmt.InvalidOffset as e:
+        s = load_item(item, headers)
+    except fmt.Truncated as e:
         report.add("truncated", str(e), path=item.path)
         return None
     except (fmt.ChecksumMismatch, fmt.CodecError, fmt.SizeMismatch) as e:
