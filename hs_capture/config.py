@@ -78,17 +78,22 @@ def parse_layers(text: str) -> Optional[List[int]]:
     return sorted(out)
 
 
-def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+def _number(env: Mapping[str, str], name: str, default, low, high, kind=int):
+    """A setting parsed as `kind` (int or float) within [low, high], or a ConfigError naming it."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = kind(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+        raise ConfigError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
     if not low <= value <= high:
-        raise ConfigError(f"{name}={value} is outside [{low}, {high}]")
+        raise ConfigError(f"{name}={value:g} is outside [{low:g}, {high:g}]")
     return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    return _number(env, name, default, low, high, int)
 
 
 def usable_cores() -> int:
@@ -133,21 +138,9 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
         prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
         min_free_bytes=_min_free(env),
-        flush_timeout_s=_float(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0),
+        flush_timeout_s=_number(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0, float),
     )
 
-
-def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r}: expected a number") from None
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={value:g} is outside [{low:g}, {high:g}]")
-    return value
 
 
 def _min_free(env: Mapping[str, str]) -> int:

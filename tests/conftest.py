@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from tests.sglang_cpu.harness import Server, hscap_send, make_tiny_deepseek, server_env, write_jsonl
+from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
 
 NUM_LAYERS = 6
 
@@ -34,13 +34,7 @@ def served_dump(tiny_model, tmp_path_factory):
         rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
     data = write_jsonl(root / "data.jsonl", rows)
     d = str(root / "dump")
-    srv = Server(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), str(root / "server.log"),
-                 ["--chunked-prefill-size", "128", "--disable-radix-cache"])
-    try:
-        srv.wait_healthy()
-        rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(root / "f.jsonl"))
-        assert rc == 0 and summary["sent"] == len(rows)
-    finally:
-        srv.stop()
+    srv = serve_and_send(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), root,
+                         ["--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows), concurrency=8)
     assert "final state post-norm and pre-norm" in srv.log()
     return {"dir": d, "rows": rows, "data": data, "root": root}

@@ -15,7 +15,7 @@ from hs_capture.cli import main
 from hs_capture.layout import RankId, step_file
 from hs_capture.reader import open_runs
 from hs_capture.files import atomic_write
-from tests.sglang_cpu.harness import Server, hscap_send, server_env, write_jsonl
+from tests.sglang_cpu.harness import serve_and_send, server_env, write_jsonl
 from tests.test_verify import errors, verify
 
 
@@ -104,15 +104,8 @@ def sent_twice(tiny_model, tmp_path_factory):
             for i, n in enumerate([30, 90, 150, 64, 200, 45])]
     data = write_jsonl(root / "data.jsonl", rows)
     dump = str(root / "dump")
-    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3"), str(root / "server.log"),
-                 ["--chunked-prefill-size", "128"])  # the radix cache stays on
-    try:
-        srv.wait_healthy()
-        for attempt in range(2):
-            rc, summary = hscap_send(data, "--url", srv.url, "-c", "2", "--failures", str(root / f"f{attempt}.jsonl"))
-            assert rc == 0 and summary["sent"] == len(rows)
-    finally:
-        srv.stop()
+    serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3"), root,
+                   ["--chunked-prefill-size", "128"], data, len(rows), concurrency=2, times=2)  # radix cache on
     return {"dump": dump, "data": data, "rows": rows, "root": root}
 
 

@@ -10,7 +10,7 @@ import pytest
 from hs_capture.assemble import Assembler, plan
 from hs_capture.verify.reference import Reference, Stored, Tolerance, compare
 from hs_capture.verify.report import Report
-from tests.sglang_cpu.harness import Server, hscap_send, make_tiny_deepseek, server_env, write_jsonl
+from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
 from tests.test_verify import verify
 
 
@@ -23,14 +23,8 @@ def bf16_dump(tmp_path_factory):
             for i, n in enumerate([40, 170, 300, 90])]
     data = write_jsonl(root / "data.jsonl", rows)
     dump = str(root / "dump")
-    srv = Server(model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(root / "server.log"),
-                 ["--dtype", "bfloat16", "--chunked-prefill-size", "128", "--disable-radix-cache"])
-    try:
-        srv.wait_healthy()
-        rc, summary = hscap_send(data, "--url", srv.url, "-c", "4", "--failures", str(root / "f.jsonl"))
-        assert rc == 0 and summary["sent"] == len(rows)
-    finally:
-        srv.stop()
+    serve_and_send(model, server_env(dump, HSCAP_LAYERS="1,3,5"), root,
+                   ["--dtype", "bfloat16", "--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows))
     return {"model": model, "dump": dump, "data": data, "rows": rows}
 
 

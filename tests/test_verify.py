@@ -162,24 +162,23 @@ def test_swapped_layer_files_are_misplaced(copy):
     assert any("part='L03' (expected 'L01')" in f["message"] for f in found)
 
 
-def test_zeroed_tensor_is_degenerate(copy):
-    d, run = copy
-    path, _ = part_file(run, 0, "L03")
-    rewrite(path, np.zeros_like)
-    code, doc = verify(d)
-    (f,) = errors(doc)
-    assert code == 1 and f["check"] == "degenerate" and "all zeros" in f["message"]
-
-
-def test_corrupt_header_is_named(copy):
-    d, run = copy
-    path, _ = part_file(run, 0, "L01")
+def _corrupt_header(path):
     with open(path, "r+b") as f:
         f.seek(16)
         f.write(b"\xff\xfe")
+
+
+@pytest.mark.parametrize("part, damage, check, words", [
+    ("L03", lambda path: rewrite(path, np.zeros_like), "degenerate", "all zeros"),  # a zeroed tensor
+    ("L01", _corrupt_header, "header", "InvalidHeader"),  # a corrupt header is named
+])
+def test_one_damaged_file_is_one_named_finding(copy, part, damage, check, words):
+    d, run = copy
+    path, _ = part_file(run, 0, part)
+    damage(path)
     code, doc = verify(d)
     (f,) = errors(doc)
-    assert code == 1 and f["check"] == "header" and "InvalidHeader" in f["message"]
+    assert code == 1 and f["check"] == check and words in f["message"]
 
 
 def test_leftover_temp_file_is_reported(copy):

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,26 +35,14 @@ import urllib.request
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+# Below Linux's ephemeral range: SGLang binds its own ports there, and adds offsets to ours
+# (sglang 0.5.15 refuses a server port whose gRPC port, +10000, passes 65535).
+from tests.sglang_cpu.harness import free_port, terminate  # noqa: E402
 HSCAP = [sys.executable, "-m", "hs_capture.cli"]
 SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                 "--skip-tokenizer-init", "--mem-fraction-static", "0.35", "--context-length", "4096"]
 UNFIX = "import hs_capture.staging as s\ns.CudaSideStream.own = lambda self, t: t  # the code before the fix\n"
-
-
-def free_port() -> int:
-    """Below Linux's ephemeral range (SGLang binds its own ports there, and adds offsets to
-    ours: sglang 0.5.15 refuses a server port whose gRPC port, +10000, passes 65535)."""
-    import random
-
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000..32000")
 
 
 def read_jsonl(path: str) -> List[dict]:
@@ -88,12 +75,7 @@ class Server:
     def stop(self, timeout: float = 180.0) -> float:
         """SIGTERM (the hook flushes its queue), then the group if it lingers."""
         t0 = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        terminate(self.proc, timeout)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -77,6 +77,16 @@ def graph_flags(python: str) -> tuple:
     return tuple(graph_off_flags(python))
 
 
+def terminate(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM, and up to `timeout` s for the process to exit (the hook flushes meanwhile)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 class Server:
     """One real `python -m sglang.launch_server`, in its own process group."""
 
@@ -139,12 +149,7 @@ class Server:
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM to the launcher (what an orchestrator sends), then the group if it lingers."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        terminate(self.proc, timeout)
         self.kill()
         return self.proc.returncode
 
@@ -205,3 +210,19 @@ def hscap_send(*args):
                          capture_output=True, text=True, timeout=900)
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
     return out.returncode, json.loads(out.stdout)
+
+
+def serve_and_send(model: str, env: Dict[str, str], root, flags: Sequence[str], data: str, rows: int,
+                   concurrency: int = 4, times: int = 1) -> "Server":
+    """Start the real server, send the dataset `times` times with `hscap send` (each send must
+    send every row), stop it (SIGTERM: the hook flushes). Returns the stopped server (its log)."""
+    srv = Server(model, env, os.path.join(str(root), "server.log"), flags)
+    try:
+        srv.wait_healthy()
+        for k in range(times):
+            rc, summary = hscap_send(data, "--url", srv.url, "-c", str(concurrency),
+                                     "--failures", os.path.join(str(root), f"failures-{k}.jsonl"))
+            assert rc == 0 and summary["sent"] == rows, summary
+    finally:
+        srv.stop()
+    return srv
