@@ -13,7 +13,13 @@ from typing import Dict, List, Tuple
 import torch
 
 from . import format as fmt
-from .formats import HSCAP_INDEX
+from .formats import native
+from .layout import NATIVE_INDEX
+
+
+# the native format's tensor kinds -> the item keys (SpecForge's names, and the pre-norm state)
+_KEYS = {"aux": "aux_hidden_state", "final": "hidden_state", "input_ids": "input_ids", "loss_mask": "loss_mask",
+         "prenorm": "prenorm_hidden_state"}
 
 
 class HsCaptureDataset(torch.utils.data.Dataset):
@@ -22,7 +28,7 @@ class HsCaptureDataset(torch.utils.data.Dataset):
 
     def __init__(self, path: str) -> None:
         self.path = path
-        with open(os.path.join(path, HSCAP_INDEX)) as f:
+        with open(os.path.join(path, NATIVE_INDEX)) as f:
             self.index = json.load(f)
         self.samples: List[Tuple[str, int, str, int]] = [tuple(x) for x in self.index["samples"]]
         self._by_id = {rid: i for i, (rid, _, _, _) in enumerate(self.samples)}
@@ -52,11 +58,6 @@ class HsCaptureDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         rid, row, shard, _ = self.samples[i]
         f, header = self._open(shard)
-        out = {}
-        for key, name in (("aux_hidden_state", "aux"), ("hidden_state", "final"), ("input_ids", "input_ids"),
-                          ("loss_mask", "loss_mask"), ("prenorm_hidden_state", "prenorm")):
-            e = header.tensors.get(f"{row}/{name}")
-            if e is not None:
-                # clone: to_torch shares read-only bytes, and training code may write in place
-                out[key] = fmt.to_torch(fmt.read_tensor_bytes(f, header, e.name), e.dtype, e.shape).clone()
-        return out
+        # clone: to_torch shares read-only bytes, and training code may write in place
+        return {_KEYS[kind]: fmt.to_torch(raw, e.dtype, e.shape).clone()
+                for kind, (raw, e) in native.read_row(f, header, str(row)).items()}

@@ -19,15 +19,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .assemble import Assembler, Plan, plan
-from .reader import DumpError, first_mismatch
-from . import format as fmt
-from .formats import FORMATS, HSCAP_INDEX, write_hscap_shard
-from .layout import MERGE_REPORT, TEMP_MARK
-from .inputs import read_dataset
 from .files import atomic_write
+from .formats import FORMATS, NAMES, native
+from .inputs import read_dataset
+from .layout import MERGE_REPORT, TEMP_MARK
+from .reader import DumpError, first_mismatch
 
 REPORT = MERGE_REPORT
-ALL_FORMATS = sorted(FORMATS) + ["hscap"]
 SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
 
 
@@ -111,7 +109,7 @@ def _work_shard(args) -> MergeResult:
     """Native format: one packed shard file per batch of rows."""
     p, path, items, ds, cache_bytes = args
     asm = Assembler(p, cache_bytes)
-    res = MergeResult("hscap")
+    res = MergeResult(native.FORMAT.name)
     if os.path.exists(path):
         res.skipped_existing += len(items)
         return res
@@ -124,7 +122,7 @@ def _work_shard(args) -> MergeResult:
             res.tokens += len(got[0].input_ids)
             res.raw_bytes += got[0].raw_bytes
     if packed:
-        res.bytes_out += write_hscap_shard(path, sorted(packed, key=lambda x: x[0]))
+        res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
     res.bytes_in = asm.bytes_read
     return res
 
@@ -144,29 +142,13 @@ def _shard_batches(p: Plan, rows: List[Tuple[int, str]]) -> List[List[Tuple[int,
     return [b for b in batches if b]
 
 
-def _write_hscap_index(out_dir: str, p: Plan) -> None:
-    """index.json from the shard headers alone (every --shard run rebuilds it from all shards)."""
-    samples = []
-    shard_dir = os.path.join(out_dir, "shards")
-    for name in sorted(os.listdir(shard_dir)):
-        if name.endswith(".hst") and TEMP_MARK not in name:
-            with open(os.path.join(shard_dir, name), "rb") as f:
-                header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
-            samples += [[rid, row, os.path.join("shards", name), n]
-                        for rid, row, n in json.loads(header.metadata["samples"])]
-    samples.sort(key=lambda x: x[1])
-    index = {"format": "hscap-dataset", "version": 1, "layers": p.layers, "hidden_size": p.hidden_size,
-             "prenorm": p.prenorm, "samples": samples}
-    atomic_write(os.path.join(out_dir, HSCAP_INDEX), [json.dumps(index).encode()], fsync=False)
-
-
 def _work(args) -> MergeResult:
     p, items, out_dir, fmt_name, ds, cache_bytes = args
-    name_of, write = FORMATS[fmt_name]
+    f = FORMATS[fmt_name]
     asm = Assembler(p, cache_bytes)
     res = MergeResult(fmt_name)
     for row, rid in items:
-        path = os.path.join(out_dir, name_of(rid, row))
+        path = os.path.join(out_dir, f.file_name(rid, row))
         if os.path.exists(path):
             res.skipped_existing += 1
             continue
@@ -174,7 +156,7 @@ def _work(args) -> MergeResult:
         if got is None:
             continue
         s, loss_mask = got
-        res.bytes_out += write(path, s, loss_mask)
+        res.bytes_out += f.write(path, s, loss_mask)
         res.written += 1
         res.tokens += len(s.input_ids)
         res.raw_bytes += s.raw_bytes
@@ -185,16 +167,17 @@ def _work(args) -> MergeResult:
 def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Optional[str] = None,
           jobs: int = 1, shard: Tuple[int, int] = (0, 1), cache_bytes: int = 2 << 30,
           on_progress: Optional[Callable[[MergeResult, int], None]] = None) -> MergeResult:
-    if fmt_name not in ALL_FORMATS:
-        raise MergeError(f"unknown format {fmt_name!r}: choose from {ALL_FORMATS}")
+    training_format = FORMATS.get(fmt_name)
+    if training_format is None:
+        raise MergeError(f"unknown format {fmt_name!r}: choose from {NAMES}")
     t0 = time.monotonic()
     ds = load_dataset(dataset) if dataset else None
     p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
-    if fmt_name == "speculators" and not p.prenorm:
-        raise MergeError("speculators needs the pre-norm final state: capture with HSCAP_PRENORM=1")
-    if fmt_name == "speculators" and len(p.layers) != 3:
-        raise MergeError(f"speculators takes exactly 3 aux layers; the dump has {p.layers}")
-    work_dir = os.path.join(out_dir, "shards") if fmt_name == "hscap" else out_dir
+    problem = training_format.problem(p.prenorm, p.layers)
+    if problem:
+        raise MergeError(problem)
+    packed = training_format.file_name is None  # shards listed by an index (native), else a file per sample
+    work_dir = os.path.join(out_dir, native.SHARD_DIR) if packed else out_dir
     os.makedirs(work_dir, exist_ok=True)
     for name in os.listdir(work_dir):  # a killed merge's half-written files
         if TEMP_MARK in name:
@@ -209,10 +192,10 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
     total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
     per_job = cache_bytes // max(1, jobs)
-    if fmt_name == "hscap":  # shard files hold fixed row batches, so a re-run finds them done
+    if packed:  # shard files hold fixed row batches, so a re-run finds them done
         batches = _shard_batches(p, sorted(mine))
         worker = _work_shard
-        args = [(p, os.path.join(work_dir, f"part-{i}of{n}-{k:06d}.hst"), b, ds, per_job) for k, b in enumerate(batches)]
+        args = [(p, os.path.join(out_dir, native.shard_name(i, n, k)), b, ds, per_job) for k, b in enumerate(batches)]
     else:
         # contiguous runs of the step-ordered list per batch: samples that share a step stay
         # in one process and its cache (with -j 1, small batches only pace the progress line)
@@ -231,8 +214,8 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
                 total.add(r)
                 if on_progress:
                     on_progress(total, len(mine))
-    if fmt_name == "hscap":
-        _write_hscap_index(out_dir, p)
+    if packed:
+        native.write_index(out_dir, p.layers, p.hidden_size, p.prenorm)
     total.seconds = round(time.monotonic() - t0, 3)
     report = asdict(total)
     # what verify --reference needs to map aux blocks back to layers

@@ -7,11 +7,8 @@ from typing import List, Tuple
 
 import click
 
+from ..formats import FORMATS, NAMES  # the registry imports no torch: `hscap` starts fast
 from ._common import JSON, QUIET, Progress, emit_json
-
-# Spelled out here so that `hscap` starts without importing torch (test_merge checks it
-# against hs_capture.merge.ALL_FORMATS).
-FORMAT_NAMES = ["hscap", "modelopt", "specforge", "speculators"]
 
 
 def _shard(ctx, param, value: str) -> Tuple[int, int]:
@@ -27,7 +24,8 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.command()
 @click.argument("dumps", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--format", "fmt_name", required=True, type=click.Choice(FORMAT_NAMES), help="Training format.")
+@click.option("--format", "fmt_name", required=True, type=click.Choice(NAMES),
+              help="Training format: " + "; ".join(f"{n} ({FORMATS[n].what})" for n in NAMES) + ".")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
               help="The JSONL sent: loss masks joined by id, token ids checked; only its ids are merged.")
 @click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")

@@ -9,9 +9,7 @@ from typing import List, Optional
 import click
 
 from .. import send as sender
-from ..assemble import Captured
 from ..inputs import InputSample, read_dataset
-from ..reader import DumpError
 from ._common import JSON, QUIET, Progress, emit_json
 
 
@@ -38,6 +36,9 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]) to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
+    from ..assemble import Captured  # lazily: it needs torch, and `hscap` starts without it
+    from ..reader import DumpError
+
     try:  # the rule merge and verify judge by: a sample whole in the dumps is not sent again
         have = Captured(dump_dirs, strict=False, allow_empty=True) if dump_dirs else None
     except DumpError as e:

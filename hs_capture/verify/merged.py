@@ -1,21 +1,22 @@
 """Verify `hscap merge` output in any of its formats: every sample present, loadable, with
 its format's keys, dtypes and shapes, token ids equal to the dataset, and sane values.
 
-Formats are recognised by their files (index.json of the native format, *.ckpt, *.pt,
-hs_*.safetensors); merge_report.json, when there, says which samples merge left out and why.
+Formats are recognised by their files through the format registry (hs_capture.formats: the
+native format by its index.json, the others by their file names); merge_report.json, when
+there, says which samples merge left out and why.
 Torch files are opened with weights_only=True: nothing read is ever unpickled as code."""
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .. import format as fmt
+from ..formats import FORMATS, Loaded, for_file, native
 from ..layout import MERGE_REPORT, NATIVE_INDEX, TEMP_MARK
 from ..reader import first_mismatch
 from .pool import bounded_map, pick
@@ -40,7 +41,7 @@ def is_merged(path: str) -> bool:
 
 
 def _stem_rid_map(rids: Sequence[str]) -> Dict[str, str]:
-    from ..formats import sample_file_stem
+    from ..formats.common import sample_file_stem
 
     return {sample_file_stem(r): r for r in rids}
 
@@ -67,7 +68,7 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
             for rid, row, shard, _n in idx["samples"]:
                 if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
                     raise ValueError(f"shard path {shard!r} leaves the dataset dir")
-                items.append(Item("hscap", os.path.join(root, shard), str(rid), int(row), str(row)))
+                items.append(Item(native.FORMAT.name, os.path.join(root, shard), str(rid), int(row), str(row)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             report.add("samples", f"native index unreadable: {e}", path=index)
     for dirpath, dirs, names in os.walk(root):
@@ -76,19 +77,17 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
             full = os.path.join(dirpath, name)
             if TEMP_MARK in name:
                 report.add("files", "temp file left by an interrupted merge", path=full)
-            elif name.endswith(".ckpt") or (name.endswith(".pt")):
-                stem = name.rsplit(".", 1)[0]
-                items.append(Item("specforge" if name.endswith(".ckpt") else "modelopt", full, stems.get(stem)))
-            elif name.startswith("hs_") and name.endswith(".safetensors"):
-                try:
-                    row = int(name[3:-len(".safetensors")])
-                except ValueError:
-                    row = None
-                rid = order[row] if order and row is not None and row < len(order) else None
-                items.append(Item("speculators", full, rid, row))
+            else:
+                found = for_file(name)
+                if found is None:
+                    continue
+                f, stem, row = found
+                rid = stems.get(stem) if stem is not None else (
+                    order[row] if order and row is not None and row < len(order) else None)
+                items.append(Item(f.name, full, rid, row))
     if os.path.isfile(index):  # shards not named by index.json are extra
-        named = {os.path.normpath(i.path) for i in items if i.fmt == "hscap"}
-        sdir = os.path.join(root, "shards")
+        named = {os.path.normpath(i.path) for i in items if i.fmt == native.FORMAT.name}
+        sdir = os.path.join(root, native.SHARD_DIR)
         for name in sorted(os.listdir(sdir)) if os.path.isdir(sdir) else []:
             full = os.path.normpath(os.path.join(sdir, name))
             if name.endswith(".hst") and TEMP_MARK not in name and full not in named:
@@ -96,136 +95,13 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
     return items, incomplete
 
 
-# ----------------------------------------------------------------- loading, one per format
-def _np(t) -> np.ndarray:
-    import torch
-
-    t = t.detach()
-    return (t.float() if t.is_floating_point() else t.to(torch.int64)).numpy()
-
-
-def _load_torch(path: str) -> dict:
-    import torch
-
-    d = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    if not isinstance(d, dict):
-        raise ValueError(f"holds a {type(d).__name__}, not a dict")
-    return d
-
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
-
-
-def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
-    """A safetensors file as float32/int64 numpy arrays (bf16 widened), checked rule by rule.
-    `dtypes`, when given, receives each tensor's stored safetensors dtype."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise fmt.HeaderTooSmall(f"{size} bytes: no safetensors header")
-        (n,) = struct.unpack("<Q", f.read(8))
-        if 8 + n > size or n > fmt.MAX_HEADER_BYTES:
-            raise (fmt.HeaderTooLarge if n > fmt.MAX_HEADER_BYTES else fmt.Truncated)(
-                f"header length {n} runs past the end of the {size}-byte file")
-        try:
-            header = json.loads(f.read(n))
-            meta = header.pop("__metadata__", {}) or {}
-        except (ValueError, AttributeError) as e:
-            raise fmt.InvalidHeader(f"header is not a JSON object: {e}") from None
-        out, end = {}, 0
-        for name, e in header.items():
-            try:
-                a, b = e["data_offsets"]
-                shape, dt = [int(x) for x in e["shape"]], e["dtype"]
-            except (TypeError, KeyError, ValueError):
-                raise fmt.TensorInvalidInfo(f"{name}: incomplete entry") from None
-            count = int(np.prod(shape)) if shape else 1
-            item = 2 if dt == "BF16" else np.dtype(_ST_DTYPES.get(dt, np.uint8)).itemsize
-            if dt not in _ST_DTYPES and dt != "BF16":
-                raise fmt.TensorInvalidInfo(f"{name}: dtype {dt} not expected here")
-            if b - a != count * item or a < 0:
-                raise fmt.InvalidOffset(f"{name}: offsets [{a}, {b}) disagree with shape {shape} of {dt}")
-            if 8 + n + b > size:
-                raise fmt.Truncated(f"{name}: data ends at {8 + n + b}, past the end of the {size}-byte file")
-            f.seek(8 + n + a)
-            raw = f.read(b - a)
-            if dtypes is not None:
-                dtypes[name] = dt
-            out[name] = fmt.to_numpy(raw, "bfloat16", shape) if dt == "BF16" else \
-                np.frombuffer(raw, dtype=np.dtype(_ST_DTYPES[dt]).newbyteorder("<")).reshape(shape).astype(
-                    np.float32 if dt.startswith("F") else np.int64)
-            end = max(end, b)
-        if 8 + n + end != size:
-            raise (fmt.Truncated if 8 + n + end > size else fmt.TrailingBytes)(
-                f"payload ends at {8 + n + end} but the file has {size} bytes")
-    return out, meta
-
-
-@dataclass
-class Loaded:
-    rid: Optional[str]
-    input_ids: np.ndarray
-    loss_mask: Optional[np.ndarray]
-    aux: np.ndarray  # (T, K*H)
-    final: Optional[np.ndarray]  # (T, H) post-norm
-    prenorm: Optional[np.ndarray]  # (T, H)
-    hidden_size: int
-    dtype: str = "float32"  # the states' stored dtype (the arrays above are widened to float32)
-
-
+# ----------------------------------------------------------------- loading
 def load_item(item: Item, headers: Dict[str, fmt.Header]) -> Loaded:
-    """Read one merged sample in its format's layout. KeyError / ValueError: wrong layout."""
-    if item.fmt == "specforge":
-        d = _load_torch(item.path)
-        ids, aux, fin = d["input_ids"], d["aux_hidden_state"], d["hidden_state"]
-        if aux.dim() != 3 or aux.shape[0] != 1 or fin.dim() != 3 or fin.shape[0] != 1:
-            raise ValueError(f"aux_hidden_state {list(aux.shape)} / hidden_state {list(fin.shape)} are not (1, T, *)")
-        _dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
-        return Loaded(item.rid, _np(ids), _np(d["loss_mask"]), _np(aux[0]), _np(fin[0]), None, fin.shape[-1],
-                      _torch_dtype(fin))
-    if item.fmt == "modelopt":
-        d = _load_torch(item.path)
-        _dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
-        rid = d.get("conversation_id")
-        fin = d["hidden_states"]
-        return Loaded(str(rid) if rid is not None else item.rid, _np(d["input_ids"]), _np(d["loss_mask"]),
-                      _np(d["aux_hidden_states"]), _np(fin), None, fin.shape[-1], _torch_dtype(fin))
-    if item.fmt == "speculators":
-        dtypes: Dict[str, str] = {}
-        arrays, meta = load_safetensors(item.path, dtypes)
-        hs, ids = arrays["hidden_states"], arrays["token_ids"]
-        if hs.ndim != 3 or hs.shape[1] != 4:
-            raise ValueError(f"hidden_states is {list(hs.shape)}, not [T, 4, H]")
-        t, _, h = hs.shape
-        return Loaded(meta.get("rid", item.rid), ids, None, hs[:, :3].reshape(t, 3 * h), None, hs[:, 3], h,
-                      _ST_NAMES.get(dtypes.get("hidden_states", ""), "float32"))
-    # native
-    with open(item.path, "rb") as f:
-        header = headers.get(item.path)
-        if header is None:
-            header = headers[item.path] = fmt.read_header(f, os.fstat(f.fileno()).st_size)
-        got, dtype = {}, "float32"
-        for name in ("aux", "final", "input_ids", "loss_mask", "prenorm"):
-            e = header.tensors.get(f"{item.key}/{name}")
-            if e is not None:
-                got[name] = fmt.to_numpy(fmt.read_tensor_bytes(f, header, e.name), e.dtype, e.shape)
-                dtype = e.dtype if name == "final" else dtype
-    fin = got["final"]
-    return Loaded(item.rid, got["input_ids"], got["loss_mask"], got["aux"], fin, got.get("prenorm"), fin.shape[-1],
-                  dtype)
-
-
-_ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
-
-
-def _torch_dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
-
-
-def _dtypes(d: dict, want: Dict[str, str]) -> None:
-    for k, v in want.items():
-        if str(d[k].dtype).replace("torch.", "") != v:
-            raise ValueError(f"{k} is {d[k].dtype}, the format needs {v}")
+    """Read one merged sample through its format's entry. KeyError / ValueError: wrong layout."""
+    s = FORMATS[item.fmt].load(item.path, item.key, headers)
+    if s.rid is None:
+        s.rid = item.rid  # the format's file does not carry it: known from its name or the index
+    return s
 
 
 # ----------------------------------------------------------------- checks

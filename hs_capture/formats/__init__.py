@@ -1,0 +1,52 @@
+"""The training formats: one registry (shaped like targets.py), one module per format, each
+entry saying how samples are named, what the dump must hold, how to write one and how to
+read one back. `hscap merge` writes through it, `hscap verify` and `HsCaptureDataset` read
+through it, the CLI lists it. Importing it needs no torch (the CLI starts without it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .loaded import Loaded
+
+
+@dataclass(frozen=True)
+class TrainingFormat:
+    name: str
+    what: str  # one line, for --help and errors
+    # per-sample formats: (rid, row) -> file name; None: packed shards listed by an index (native)
+    file_name: Optional[Callable[[str, int], str]]
+    # a file name (no directory) -> (file stem naming a rid, row) when it is this format's, else None
+    identify: Callable[[str], Optional[Tuple[Optional[str], Optional[int]]]]
+    write: Callable  # per-sample: (path, SampleTensors, loss_mask) -> bytes written
+    load: Callable  # (path, key, headers) -> Loaded; key: the native row's tensor prefix
+    needs_prenorm: bool = False
+    aux_layers: Optional[int] = None  # exactly this many captured layers, or any
+
+    def problem(self, prenorm: bool, layers: Sequence[int]) -> Optional[str]:
+        """Why a dump with these settings cannot be written in this format, or None."""
+        if self.needs_prenorm and not prenorm:
+            return f"{self.name} needs the pre-norm final state: capture with HSCAP_PRENORM=1"
+        if self.aux_layers is not None and len(layers) != self.aux_layers:
+            return f"{self.name} takes exactly {self.aux_layers} aux layers; the dump has {list(layers)}"
+        return None
+
+
+from . import modelopt, native, specforge, speculators  # noqa: E402  (each module defines FORMAT)
+
+FORMATS: Dict[str, TrainingFormat] = {f.name: f for f in (specforge.FORMAT, modelopt.FORMAT, speculators.FORMAT,
+                                                           native.FORMAT)}
+NAMES: List[str] = sorted(FORMATS)
+
+
+def for_file(name: str) -> Optional[Tuple[TrainingFormat, Optional[str], Optional[int]]]:
+    """(format, file stem naming a rid, row) of a merged file, by its name; None: no format's."""
+    for f in FORMATS.values():
+        found = f.identify(name)
+        if found is not None:
+            return (f, *found)
+    return None
+
+
+__all__ = ["FORMATS", "NAMES", "Loaded", "TrainingFormat", "for_file"]

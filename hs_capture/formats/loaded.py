@@ -1,0 +1,20 @@
+"""One merged sample as read back (any format): numpy arrays, states widened to float32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class Loaded:
+    rid: Optional[str]
+    input_ids: np.ndarray
+    loss_mask: Optional[np.ndarray]
+    aux: np.ndarray  # (T, K*H)
+    final: Optional[np.ndarray]  # (T, H) post-norm
+    prenorm: Optional[np.ndarray]  # (T, H)
+    hidden_size: int
+    dtype: str = "float32"  # the states' stored dtype

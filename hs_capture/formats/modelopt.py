@@ -1,0 +1,37 @@
+"""NVIDIA ModelOpt: {conversation_id}.pt, loadable with weights_only=True: conversation_id,
+input_ids, hidden_states (T, H), aux_hidden_states (T, K*H), loss_mask, hidden_states_prenorm."""
+
+from __future__ import annotations
+
+from .common import aux_of, atomic_file, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
+    to_numpy
+from .loaded import Loaded
+
+
+def write(path: str, s, loss_mask) -> int:
+    import torch
+
+    data = {"conversation_id": s.rid, "input_ids": s.input_ids.clone(), "hidden_states": s.final.clone(),
+            "aux_hidden_states": aux_of(s).contiguous(), "loss_mask": loss_mask.to(torch.int64),
+            "hidden_states_prenorm": False}
+    return atomic_file(path, lambda p: torch.save(data, p))
+
+
+def load(path: str, key, headers) -> Loaded:
+    d = load_torch_dict(path)
+    check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
+    rid = d.get("conversation_id")
+    fin = d["hidden_states"]
+    return Loaded(str(rid) if rid is not None else None, to_numpy(d["input_ids"]), to_numpy(d["loss_mask"]),
+                  to_numpy(d["aux_hidden_states"]), to_numpy(fin), None, fin.shape[-1], dtype_name(fin))
+
+
+def _format():
+    from . import TrainingFormat
+
+    return TrainingFormat("modelopt", "ModelOpt: <id>-<hash>.pt, loadable with weights_only=True",
+                          lambda rid, row: sample_file_stem(rid) + ".pt", lambda name: stem_of(name, ".pt"),
+                          write, load)
+
+
+FORMAT = _format()
