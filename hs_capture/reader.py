@@ -15,6 +15,9 @@ from . import format as fmt
 from .layout import TENSOR_SUFFIX
 
 
+TORN = "torn last line (a crash while appending): that step is not committed"
+
+
 class DumpError(Exception):
     """A dump that cannot be read as asked; the message names the file."""
 
@@ -40,27 +43,41 @@ class Run:
     def layers(self) -> List[int]:
         return list(self.meta["layers"])
 
-    def index(self, rank: str, strict: bool = True) -> Iterator[dict]:
-        """Index lines of one rank, in file order; a torn last line (crash) is skipped.
-        A line that is not a JSON object raises DumpError, or is skipped when not strict
-        (verify reports such lines itself)."""
-        path = os.path.join(self.path, "index", rank + ".jsonl")
+    def index_path(self, rank: str) -> str:
+        return os.path.join(self.path, "index", rank + ".jsonl")
+
+    def index_entries(self, rank: str) -> Iterator[Tuple[int, Optional[dict], Optional[str]]]:
+        """The one index reader: every line of one rank's index, in file order, as (line
+        number, the line or None, why it is not a valid line or None). A torn last line (a crash
+        while appending: its step is not committed) comes last, as (n, None, TORN)."""
+        path = self.index_path(rank)
         if not os.path.exists(path):
             return
         with open(path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 if not raw.endswith(b"\n"):
+                    if raw.strip():
+                        yield n, None, TORN
                     return
                 try:
                     line = json.loads(raw)
                     problem = line_problem(line)
-                    if problem:
-                        raise ValueError(problem)
                 except ValueError as e:
-                    if strict:
-                        raise DumpError(f"{path}: line {n} is not a valid index line ({e})") from None
-                    continue
-                yield line
+                    line, problem = None, f"not JSON ({e})"
+                yield n, (None if problem else line), problem
+
+    def index(self, rank: str, strict: bool = True) -> Iterator[dict]:
+        """The valid index lines of one rank, in file order (a torn last line is not committed).
+        A line that is not valid raises DumpError, or is skipped when not strict (verify
+        reports such lines itself)."""
+        for n, line, problem in self.index_entries(rank):
+            if problem == TORN:
+                return
+            if problem:
+                if strict:
+                    raise DumpError(f"{self.index_path(rank)}: line {n} is not a valid index line ({problem})")
+                continue
+            yield line
 
     def read_part(self, line: dict, part: str) -> Dict[str, np.ndarray]:
         """All tensors of one step's part file ("final", "L03", ...) as numpy arrays."""

@@ -5,7 +5,6 @@ random `sample` of steps) through pool.bounded_map."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from .. import format as fmt
 from ..assemble import MixedRuns, Plan, plan
 from ..coverage import Span, describe_extra
 from ..layout import FINAL, TEMP_MARK, TENSOR_SUFFIX, step_parts
-from ..reader import DumpError, Run, first_mismatch, line_problem, open_runs
+from ..reader import TORN, DumpError, Run, first_mismatch, open_runs
 from .pool import bounded_map, pick
 from .report import ERROR, WARNING, Report
 from .values import as_array, identical_pairs, value_problems
@@ -91,88 +90,90 @@ def _check_ranks(run: Run, report: Report) -> None:
 
 
 def check_index(run: Run, report: Report) -> List[_Step]:
-    """Per rank: parse every index line, find missing, doubled and dropped steps, compare the
-    index with the files on disk. Returns the steps that hold files."""
-    steps: List[_Step] = []
-    listed: Set[str] = set()
+    """Per rank: its index lines, then its metadata's account of them; then the files on disk
+    against what the index lists. Returns the steps that hold files."""
     # A run that never closed (killed, or still running) leaves debris that is not damage:
     # temp files, files whose index line was never appended, gaps where a later step was
     # indexed first. Those are warnings; what they cost is judged per sample (coverage).
     clean = all(m.get("status") == "closed" and not m.get("capture_stopped") for m in run.ranks.values())
     debris = ERROR if clean else WARNING
     why = "" if clean else " (the run did not close cleanly: debris of a crash or a full disk, or it is still running)"
+    steps: List[_Step] = []
     for tag, meta in sorted(run.ranks.items()):
-        path = os.path.join(run.path, "index", tag + ".jsonl")
-        ipath = _rel(run, path)
-        seen: Dict[int, int] = {}
-        written = 0
-        if not os.path.exists(path):
-            report.add("index", "index file missing", path=ipath)
-        else:
-            with open(path, "rb") as f:
-                raw_lines = f.read().split(b"\n")
-            if raw_lines and raw_lines[-1]:
-                report.add("index", "torn last line (a crash while appending): that step is not committed",
-                           WARNING, ipath)
-            for n, raw in enumerate(raw_lines[:-1], 1):
-                report.looked("index")
-                try:
-                    line = json.loads(raw)
-                    problem = line_problem(line)
-                except ValueError as e:
-                    problem = f"not JSON ({e})"
-                if problem:
-                    report.add("index", f"line {n}: {problem}", path=ipath)
-                    continue
-                step = line["step"]
-                if step in seen:
-                    report.add("index", f"line {n}: step {step} listed twice (first on line {seen[step]})", path=ipath)
-                    continue
-                seen[step] = n
-                if "dropped" in line:
-                    rids = sorted({str(s.get("rid")) for s in line.get("seqs", [])})
-                    report.add("dropped", f"step {step} dropped by the writer ({line['dropped']}): "
-                                          f"{line.get('num_tokens', '?')} tokens of rids {rids[:5]}"
-                                          f"{' ...' if len(rids) > 5 else ''} were not written", path=ipath)
-                    continue
-                written += 1
-                want = _parts(meta)
-                have = set(line["files"])
-                if have != want:
-                    report.add("shapes", f"step {step}: parts {sorted(have)} differ from the run's {sorted(want)}",
-                               path=ipath)
-                listed.update(os.path.normpath(f["path"]) for f in line["files"].values())
-                steps.append(_Step(run, tag, line))
-            missing = sorted(set(range(max(seen) + 1)) - set(seen)) if seen else []
-            if missing:
-                report.add("index", f"{len(missing)} step(s) have no index line: {_ranges(missing)} "
-                                    "(lost in a crash, or the line was removed)" + why, debris, ipath)
-        report.looked("dropped")
-        stats = meta.get("stats") or {}
-        stopped = meta.get("capture_stopped")
-        if isinstance(stopped, dict):
-            report.add("dropped", f"capture stopped at step {stopped.get('step')} "
-                                  f"({time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(stopped.get('time') or 0))} UTC): "
-                                  f"{stopped.get('reason')}; later prefills were not written",
-                       path=_rel(run, os.path.join(run.path, "ranks", tag + ".json")))
-        if stats.get("steps_failed"):
-            report.add("dropped", f"the writer failed {stats['steps_failed']} step(s): {meta.get('last_failure')}",
-                       path=_rel(run, os.path.join(run.path, "ranks", tag + ".json")))
-        report.looked("status")
-        if meta.get("status") != "closed":
-            report.add("status", f"run status is {meta.get('status')!r}, not 'closed': the server is still "
-                                 "running, or was killed (its last queued steps may be missing)", WARNING,
-                       _rel(run, os.path.join(run.path, "ranks", tag + ".json")))
-        elif stats.get("steps_written") is not None and int(stats["steps_written"]) != written:
-            report.add("index", f"the metadata counts {stats['steps_written']} written steps, the index "
-                                f"lists {written}", path=ipath)
+        written = _check_rank_index(run, tag, meta, report, steps, debris, why)
+        _check_rank_meta(run, tag, meta, written, report)
     if run.ranks and not steps:
         report.add("runs", "the run captured nothing (no written step in any rank)", path=run.path)
+    listed = {os.path.normpath(f["path"]) for st in steps for f in st.line["files"].values()}
     missing = _check_files(run, listed, report, debris, why)
     for st in steps:
         if any(os.path.normpath(f["path"]) in missing for f in st.line["files"].values()):
             st.damaged = True
     return steps
+
+
+def _check_rank_index(run: Run, tag: str, meta: dict, report: Report, steps: List[_Step], debris: str,
+                      why: str) -> int:
+    """One rank's index lines: malformed, doubled, dropped and missing steps; the written ones
+    go to `steps`. Returns how many steps the index says were written."""
+    ipath = _rel(run, run.index_path(tag))
+    if not os.path.exists(run.index_path(tag)):
+        report.add("index", "index file missing", path=ipath)
+        return 0
+    seen: Dict[int, int] = {}
+    written = 0
+    want = _parts(meta)
+    for n, line, problem in run.index_entries(tag):
+        if problem == TORN:
+            report.add("index", TORN, WARNING, ipath)
+            continue
+        report.looked("index")
+        if problem:
+            report.add("index", f"line {n}: {problem}", path=ipath)
+            continue
+        step = line["step"]
+        if step in seen:
+            report.add("index", f"line {n}: step {step} listed twice (first on line {seen[step]})", path=ipath)
+            continue
+        seen[step] = n
+        if "dropped" in line:
+            rids = sorted({str(s.get("rid")) for s in line.get("seqs", [])})
+            report.add("dropped", f"step {step} dropped by the writer ({line['dropped']}): "
+                                  f"{line.get('num_tokens', '?')} tokens of rids {rids[:5]}"
+                                  f"{' ...' if len(rids) > 5 else ''} were not written", path=ipath)
+            continue
+        written += 1
+        if set(line["files"]) != want:
+            report.add("shapes", f"step {step}: parts {sorted(line['files'])} differ from the run's {sorted(want)}",
+                       path=ipath)
+        steps.append(_Step(run, tag, line))
+    missing = sorted(set(range(max(seen) + 1)) - set(seen)) if seen else []
+    if missing:
+        report.add("index", f"{len(missing)} step(s) have no index line: {_ranges(missing)} "
+                            "(lost in a crash, or the line was removed)" + why, debris, ipath)
+    return written
+
+
+def _check_rank_meta(run: Run, tag: str, meta: dict, written: int, report: Report) -> None:
+    """One rank's metadata: a capture stop, failed steps, its status and its step count."""
+    mpath = _rel(run, os.path.join(run.path, "ranks", tag + ".json"))
+    report.looked("dropped")
+    stats = meta.get("stats") or {}
+    stopped = meta.get("capture_stopped")
+    if isinstance(stopped, dict):
+        report.add("dropped", f"capture stopped at step {stopped.get('step')} "
+                              f"({time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(stopped.get('time') or 0))} UTC): "
+                              f"{stopped.get('reason')}; later prefills were not written", path=mpath)
+    if stats.get("steps_failed"):
+        report.add("dropped", f"the writer failed {stats['steps_failed']} step(s): {meta.get('last_failure')}",
+                   path=mpath)
+    report.looked("status")
+    if meta.get("status") != "closed":
+        report.add("status", f"run status is {meta.get('status')!r}, not 'closed': the server is still "
+                             "running, or was killed (its last queued steps may be missing)", WARNING, mpath)
+    elif stats.get("steps_written") is not None and int(stats["steps_written"]) != written:
+        report.add("index", f"the metadata counts {stats['steps_written']} written steps, the index "
+                            f"lists {written}", path=_rel(run, run.index_path(tag)))
 
 
 def _ranges(xs: List[int]) -> str:
