@@ -22,12 +22,12 @@ import torch
 
 from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
-from .layout import FINAL, PRENORM, part_name
 from .log import get_logger
 from .modes import ServerModes, read_modes
 from .sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from .targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
-from .writer import ShardWriter, dtype_name
+from .step import take_step
+from .writer import ShardWriter
 
 log = get_logger()
 
@@ -140,58 +140,17 @@ class ModelCapture:
         return hidden, [aux[j] for j in idx]
 
     def _capture(self, fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int]) -> None:
-        seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
-        prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
-        rids = getattr(fb, "rids", None)
-        rids = [None if r is None else str(r) for r in rids] if rids is not None else [None] * len(seq_lens)
-        if not (len(rids) == len(seq_lens) == len(prefix)):
-            raise ValueError(f"batch of {len(seq_lens)} sequences carries {len(rids)} rids")
-        n = sum(seq_lens)  # rows past n are padding (DP attention, graphs)
-        if hidden.shape[0] < n:
-            raise ValueError(f"final state has {hidden.shape[0]} rows for {n} tokens")
-        h = self.hidden_size
-        tensors: Dict[str, torch.Tensor] = {
-            FINAL: hidden[:n],
-            "tokens": fb.input_ids[:n],
-            "positions": fb.positions[:n],
-        }
+        pre = None
         if self.prenorm_hooked:
             pre, self._prenorm = self._prenorm, None
-            if pre is None or pre.shape[0] < n:
+            if pre is None:
                 raise ValueError("the final norm's input was not seen in this forward")
-            tensors[PRENORM] = pre[:n]
-        aux_layers: List[int] = []
-        if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
-            if aux.shape[-1] != h * len(current):
-                raise ValueError(f"aux is {tuple(aux.shape)}, expected {len(current)} x {h} columns")
-            if current == self.layers:
-                tensors["aux"], aux_layers = aux[:n], list(current)
-            else:
-                for layer in self.layers:
-                    j = current.index(layer)
-                    tensors[part_name(layer)] = aux[:n, j * h:(j + 1) * h]
-        else:  # up to 0.5.15: a list of [T, H] tensors in layer order
-            if len(aux) != len(current):
-                raise ValueError(f"{len(aux)} aux tensors for layers {current}")
-            for layer in self.layers:
-                tensors[part_name(layer)] = aux[current.index(layer)][:n]
-        offsets, acc = [], 0
-        for length in seq_lens:
-            offsets.append(acc)
-            acc += length
-        meta = {
-            "mode": mode,
-            "num_tokens": n,
-            "rows": int(hidden.shape[0]),
-            "dtype": dtype_name(hidden.dtype),
-            "seqs": [{"rid": r, "len": ln, "prefix": p, "offset": o}
-                     for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)],
-        }
+        meta, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
         self.writer.submit(meta, tensors, aux_layers)
         self.steps += 1
         if self.steps == 1:
             log.info("rank %s: first prefill captured (%d tokens, %d sequences, %s)",
-                     self.writer.rank.tag, n, len(seq_lens), meta["dtype"])
+                     self.writer.rank.tag, meta["num_tokens"], len(meta["seqs"]), meta["dtype"])
 
     def _error(self, what: str, e: BaseException) -> None:
         self.errors += 1
