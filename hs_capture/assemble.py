@@ -102,9 +102,10 @@ class Captured:
         j = whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable], length)
         if j.whole:
             return [s.ref for s in j.chain], None, [s.ref for s in j.extras]
-        if pieces and not usable:
-            lacking = sorted(set(self.parts) - {x for x, _ in pieces[0].files})
-            return None, f"step {pieces[0].step} of {pieces[0].rank} lacks {', '.join(lacking)}", []
+        broken = [p for p in pieces if p not in usable]
+        if broken:  # the true cause of the hole: a step that lacks a part
+            lacking = sorted(set(self.parts) - {x for x, _ in broken[0].files})
+            return None, f"step {broken[0].step} of {broken[0].rank} lacks {', '.join(lacking)}", []
         return None, j.reason, []
 
 
