@@ -11,7 +11,6 @@ so no loss is ever silent.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import queue
 import threading
@@ -20,15 +19,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from . import files
 from . import format as fmt
-from .config import CaptureConfig, ConfigError, default_writer_threads
-from .files import atomic_write, fsync_dir, remove_quietly
-from .layout import FINAL, RankId, index_path, part_name, rank_meta_path, step_file
+from .config import CaptureConfig, default_writer_threads
+from .files import fsync_dir, remove_quietly
+from .layout import FINAL, RankId, part_name, step_file
 from .log import get_logger
+from .run_record import RunRecord
 from .staging import AsyncCopier, Staged, Stager
 
 log = get_logger()
-_RESERVE_BYTES = 256 << 10
 # The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
 # next batch while this step is still being copied: staging owns them first (staging.py).
 _INPUT_PARTS = ("tokens", "positions")
@@ -92,7 +92,7 @@ class ShardWriter:
         self._next_step = 0
         self.failure: Optional[str] = None
         self.stopped: Optional[Dict[str, Any]] = None  # set once, when capture stops for good
-        self._reserve: Optional[str] = None  # space held back for the metadata (start() makes it)
+        self._record = RunRecord(cfg, rank)
 
     @property
     def pinned_pool(self):
@@ -100,23 +100,7 @@ class ShardWriter:
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        for sub in ("ranks", "index", os.path.join("data", self.rank.tag)):
-            os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
-        # Claim this rank of this run: a second server given the same HSCAP_RUN_ID must not
-        # write over the first one's files (O_EXCL: exactly one process wins).
-        claim = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.claimed")
-        try:
-            os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        except FileExistsError:
-            raise ConfigError(f"run {self.cfg.run_id!r} rank {self.rank.tag} already exists in {self.cfg.dump_dir}: "
-                              "another server wrote (or writes) it; unset HSCAP_RUN_ID or choose a new one") from None
-        # Space kept back so the run metadata can still record a full disk (freed at the stop).
-        self._reserve = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.reserve")
-        try:
-            with open(self._reserve, "wb") as f:
-                f.write(bytes(_RESERVE_BYTES))
-        except OSError:
-            self._reserve = None
+        self._record.open()
         self.run_meta.update(status="running", started=time.time())
         self._write_meta()
         for i in range(self.cfg.writer_threads or default_writer_threads()):
@@ -136,7 +120,7 @@ class ShardWriter:
             t.join(max(0.0, deadline - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
         self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
-        self._free_reserve()
+        self._record.free_reserve()
         try:
             self._write_meta()
         except OSError as e:  # a full disk must not turn a clean shutdown into a crash
@@ -188,7 +172,7 @@ class ShardWriter:
             try:
                 if self.stopped:
                     continue  # queued before the stop: released below, never written
-                low = self._low_space()
+                low = self._record.low_space()
                 if low:
                     self._stop(step, low)
                     continue
@@ -204,28 +188,10 @@ class ShardWriter:
                 self._stager.release(staged)
                 self._budget.release(staged.nbytes)
 
-    def _free_reserve(self) -> None:
-        if self._reserve:
-            remove_quietly([self._reserve])
-            self._reserve = None
-
     def _failed(self, step: int, e: BaseException) -> None:
         self._count("steps_failed")
         self.failure = f"{type(e).__name__}: {e}"
         log.error("rank %s: step %d not written: %s", self.rank.tag, step, self.failure)
-
-    def _low_space(self) -> Optional[str]:
-        if self.cfg.min_free_bytes <= 0:
-            return None
-        try:
-            st = os.statvfs(self.run_dir)
-        except OSError:
-            return None
-        free = st.f_bavail * st.f_frsize
-        if free < self.cfg.min_free_bytes:
-            return (f"free space {free / 2**30:.2f} GB is below HSCAP_MIN_FREE_GB="
-                    f"{self.cfg.min_free_bytes / 2**30:g}")
-        return None
 
     def _stop(self, step: int, reason: str) -> None:
         """Stop capturing for good (the server keeps serving): recorded in the run metadata
@@ -238,7 +204,7 @@ class ShardWriter:
                   "prefills from now on are not captured (re-send them after freeing space)",
                   self.rank.tag, step, reason)
         self.run_meta["capture_stopped"] = self.stopped
-        self._free_reserve()
+        self._record.free_reserve()
         try:
             self._write_meta()
         except OSError as e:
@@ -262,7 +228,7 @@ class ShardWriter:
 
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
         staged.ready()
-        files = {}
+        written: Dict[str, Dict[str, Any]] = {}
         raw_total = file_total = 0
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
         dirs = set()
@@ -281,20 +247,20 @@ class ShardWriter:
             dirs.add(os.path.dirname(path))
             chunks = fmt.encode_file(tensors, {**common, "part": part}, self.cfg.codec, self.cfg.level)
             try:
-                size = atomic_write(path, chunks, self.cfg.fsync)
+                size = files.atomic_write(path, chunks, self.cfg.fsync)
             except BaseException:
-                remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+                remove_quietly(os.path.join(self.run_dir, f["path"]) for f in written.values())
                 raise
-            files[part] = {"path": rel, "bytes": size}
+            written[part] = {"path": rel, "bytes": size}
             raw_total += sum(x.data.nbytes for x in tensors)
             file_total += size
         if self.cfg.fsync:
             for d in dirs:
                 fsync_dir(d)
         try:
-            self._append_index({**meta, "step": step, "files": files, "time": time.time()})
+            self._append_index({**meta, "step": step, "files": written, "time": time.time()})
         except BaseException:  # not indexed: not committed, so leave no files that look written
-            remove_quietly(os.path.join(self.run_dir, f["path"]) for f in files.values())
+            remove_quietly(os.path.join(self.run_dir, f["path"]) for f in written.values())
             raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
@@ -304,16 +270,8 @@ class ShardWriter:
 
     # ------------------------------------------------------------- bookkeeping
     def _append_index(self, line: Dict[str, Any]) -> None:
-        data = (json.dumps(line, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
         with self._index_lock:
-            # One write() of a whole line under O_APPEND: a crash leaves at most a torn last line.
-            fd = os.open(index_path(self.run_dir, self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, data)
-                if self.cfg.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._record.append_index(line)
 
     def _count(self, key: str) -> None:
         with self._stats_lock:
@@ -328,8 +286,7 @@ class ShardWriter:
                                                "peak_inflight_bytes": self._budget.peak}}
         if self.failure:
             body["last_failure"] = self.failure
-        data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
-        atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)
+        self._record.write_meta(body)
 
 
 def _bytes_of(t: torch.Tensor):

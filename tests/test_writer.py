@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from hs_capture import files as files_mod
 from hs_capture import writer as writer_mod
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
@@ -45,13 +46,13 @@ class Gate:
 
     def __init__(self, monkeypatch):
         self.open = threading.Event()
-        real = writer_mod.atomic_write
+        real = files_mod.atomic_write
 
         def slow(path, chunks, fsync):
             self.open.wait(30)
             return real(path, chunks, fsync)
 
-        monkeypatch.setattr(writer_mod, "atomic_write", slow)
+        monkeypatch.setattr(files_mod, "atomic_write", slow)
 
 
 def test_split_aux_round_trips_through_the_reader(tmp_path):
@@ -111,7 +112,7 @@ def test_close_flushes_everything_queued(tmp_path, monkeypatch):
 
 
 def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
-    real = writer_mod.atomic_write
+    real = files_mod.atomic_write
     calls = {"n": 0}
 
     def disk_full(path, chunks, fsync):
@@ -123,7 +124,7 @@ def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_pa
             raise OSError(errno.EIO, "Input/output error")
         return real(path, chunks, fsync)
 
-    monkeypatch.setattr(writer_mod, "atomic_write", disk_full)
+    monkeypatch.setattr(files_mod, "atomic_write", disk_full)
     w = make_writer(tmp_path, writer_threads=1)
     w.submit(*step("a", 8), aux_layers=[1, 2])
     w.submit(*step("b", 8), aux_layers=[1, 2])
@@ -141,7 +142,7 @@ def test_a_failed_write_is_counted_and_leaves_nothing_that_looks_complete(tmp_pa
 
 
 def test_a_full_disk_stops_capture_for_good_and_says_so(tmp_path, monkeypatch):
-    real = writer_mod.atomic_write
+    real = files_mod.atomic_write
     calls = {"n": 0}
 
     def disk_full(path, chunks, fsync):
@@ -150,7 +151,7 @@ def test_a_full_disk_stops_capture_for_good_and_says_so(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, chunks, fsync)
 
-    monkeypatch.setattr(writer_mod, "atomic_write", disk_full)
+    monkeypatch.setattr(files_mod, "atomic_write", disk_full)
     w = make_writer(tmp_path, writer_threads=1)
     assert w.submit(*step("a", 8), aux_layers=[1, 2])
     w.submit(*step("b", 8), aux_layers=[1, 2])
@@ -159,7 +160,7 @@ def test_a_full_disk_stops_capture_for_good_and_says_so(tmp_path, monkeypatch):
         time.sleep(0.01)
     assert w.stopped and "disk full" in w.stopped["reason"] and w.stopped["step"] == 1
     assert not w.submit(*step("c", 8), aux_layers=[1, 2])  # nothing more is even staged
-    monkeypatch.setattr(writer_mod, "atomic_write", real)  # space comes back: the close still records
+    monkeypatch.setattr(files_mod, "atomic_write", real)  # space comes back: the close still records
     assert w.close()
     assert [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
     meta = json.load(open(rank_meta_path(w.run_dir, w.rank)))
@@ -181,5 +182,5 @@ def test_atomic_write_removes_its_temp_file_on_error(tmp_path):
 
     target = tmp_path / "x.hst"
     with pytest.raises(Exception):
-        writer_mod.atomic_write(str(target), [b"ok", Boom()], fsync=True)
+        files_mod.atomic_write(str(target), [b"ok", Boom()], fsync=True)
     assert os.listdir(tmp_path) == []
