@@ -4,28 +4,37 @@ leaf (stdlib and layout only): the writer in the server and merge offline both u
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List
+from typing import Any, Callable, Iterable, List
 
 from .layout import temp_name
 
 
-def atomic_write(path: str, chunks: List[Any], fsync: bool) -> int:
-    """Write chunks to a temp sibling, fsync, rename into place. Returns bytes written."""
+def atomic_file(path: str, write: Callable[[str], None]) -> int:
+    """write(a temp sibling), then rename it into place; returns the file's size. On any error
+    the temp file is removed and nothing appears at `path`."""
     tmp = temp_name(path)
-    written = 0
     try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                f.write(c)
-                written += len(c) if isinstance(c, (bytes, bytearray)) else memoryview(c).nbytes
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         remove_quietly([tmp])
         raise
-    return written
+    return os.path.getsize(path)
+
+
+def atomic_write(path: str, chunks: List[Any], fsync: bool) -> int:
+    """atomic_file of these chunks (buffers), fsynced before the rename when asked. Returns
+    the bytes written."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    return atomic_file(path, write)
 
 
 def fsync_dir(path: str) -> None:

@@ -1,34 +1,19 @@
-"""What the per-format modules share: file names from ids, atomic files, torch helpers
-(imported lazily: the registry must load without torch)."""
+"""What the per-format modules share: file names from ids, torch helpers (imported lazily:
+the registry must load without torch). Files are written with files.atomic_file/atomic_write."""
 
 from __future__ import annotations
 
 import hashlib
-import os
-from typing import Callable
 
 import numpy as np
 
-from ..files import remove_quietly
-from ..layout import safe_component, temp_name
+from ..layout import safe_component
 
 
 def sample_file_stem(rid: str) -> str:
     """A path-safe, collision-free file stem for a sample id."""
     digest = hashlib.sha1(rid.encode()).hexdigest()[:10]
     return f"{safe_component(rid, 80)}-{digest}"
-
-
-def atomic_file(path: str, write: Callable[[str], None]) -> int:
-    """write(temp path), then rename into place; returns the file's size."""
-    tmp = temp_name(path)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly([tmp])
-        raise
-    return os.path.getsize(path)
 
 
 def aux_of(s):

@@ -3,7 +3,8 @@ input_ids, hidden_states (T, H), aux_hidden_states (T, K*H), loss_mask, hidden_s
 
 from __future__ import annotations
 
-from .common import aux_of, atomic_file, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
+from ..files import atomic_file
+from .common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
 from .loaded import Loaded
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 from .. import format as fmt
 from ..files import atomic_write
 from ..layout import NATIVE_INDEX, TEMP_MARK, TENSOR_SUFFIX
-from .common import aux_of, atomic_file, dtype_name
+from .common import aux_of, dtype_name
 from .loaded import Loaded
 
 SHARD_DIR = "shards"
@@ -41,13 +41,7 @@ def write_shard(path: str, items, codec: str = "bytegroup", level: int = 1) -> i
             tensors.append(raw(f"{row}/prenorm", s.prenorm))
         listing.append([s.rid, row, len(s.input_ids)])
     chunks = fmt.encode_file(tensors, {"samples": json.dumps(listing)}, codec, level)
-    return atomic_file(path, lambda p: _write_chunks(p, chunks))
-
-
-def _write_chunks(path: str, chunks) -> None:
-    with open(path, "wb") as f:
-        for c in chunks:
-            f.write(c)
+    return atomic_write(path, chunks, fsync=False)
 
 
 def write_index(out_dir: str, layers: List[int], hidden_size: int, prenorm: bool) -> None:

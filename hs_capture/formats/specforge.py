@@ -4,7 +4,8 @@ post-norm; read with torch.load(mmap=True)."""
 
 from __future__ import annotations
 
-from .common import aux_of, atomic_file, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
+from ..files import atomic_file
+from .common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
 from .loaded import Loaded
 

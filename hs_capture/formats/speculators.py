@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .. import format as fmt
-from .common import atomic_file
+from ..files import atomic_file
 from .loaded import Loaded
 
 _ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
