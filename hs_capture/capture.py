@@ -203,10 +203,10 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     writer = None
     if par.writes:
         config_mod.check_dump_dir(cfg.run_dir)
+        flags = relevant_flags(args)
         if not cfg.writer_threads:
-            cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, args)))
-        meta = _run_meta(cfg, hf_config, layers, args, par, modes)
-        flags = meta["server_flags"]
+            cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, flags)))
+        meta = _run_meta(cfg, hf_config, layers, flags, par, modes)
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)))
         writer.start()
@@ -226,16 +226,15 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
              " and pre-norm" if cfg.prenorm else "", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
     log.info("server modes: %s", modes.describe())
-    if writer is not None and meta["server_flags"].get("disable_radix_cache") is False:
+    if writer is not None and flags.get("disable_radix_cache") is False:
         log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
                     "capture starts past position 0; such samples are detected and reported incomplete "
                     "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
     return state
 
 
-def _writers_on_host(par: Any, args: Any) -> int:
+def _writers_on_host(par: Any, flags: Dict[str, Any]) -> int:
     """Writing ranks sharing this host's cores: one per DP group, spread over the nodes."""
-    flags = relevant_flags(args)
     writers = par.dp_size if flags.get("enable_dp_attention") else 1
     nodes = max(1, int(flags.get("nnodes") or 1))
     return max(1, -(-writers // nodes))
@@ -250,9 +249,8 @@ def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
     return [rows * hidden * k * itemsize, rows * hidden * itemsize, rows * 8, rows * 8]
 
 
-def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], args: Any, par: Any,
+def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict[str, Any], par: Any,
               modes: ServerModes) -> Dict[str, Any]:
-    flags = relevant_flags(args)
     return {
         "run_id": cfg.run_id,
         "hs_capture_version": __version__,

@@ -166,7 +166,7 @@ def parse_server_flags(argv: Sequence[str]) -> Any:
 def check_flags(ns: Any) -> List[Finding]:
     """What the parsed server flags (parse_server_flags) do to capture."""
     from .modes import read_modes
-    from .sglang_compat import _arg, prefill_off_flags_here
+    from .sglang_compat import _arg, _on_cuda, prefill_off_flags_here
 
     out = []
     modes = read_modes(ns)
@@ -178,10 +178,9 @@ def check_flags(ns: Any) -> List[Finding]:
                        if modes.decode_graphs else "off: not needed for capture (decode is never captured)"))
     wrong = modes.wrong(off)
     out += [Finding(w.what, BLOCK, f"{w.why}: the hook refuses to start", w.fix) for w in wrong]
-    device = str(_arg(ns, "device") or "cuda")
     if modes.prefill_graphs:
-        pass  # a BLOCK above
-    elif device in ("cuda", "gpu") and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")
+        pass  # blocked above
+    elif _on_cuda(ns) and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")
                                             or str(_arg(ns, "cuda_graph_backend_prefill")).lower() == "disabled"):
         out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ turns breakable prefill "
                            "graphs on for some models on Hopper (off for MLA), and the hook would then refuse to start",

@@ -106,7 +106,7 @@ def sent_twice(tiny_model, tmp_path_factory):
     dump = str(root / "dump")
     serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3"), root,
                    ["--chunked-prefill-size", "128"], data, len(rows), concurrency=2, times=2)  # radix cache on
-    return {"dump": dump, "data": data, "rows": rows, "root": root}
+    return {"dump": dump, "data": data, "rows": rows, "root": root, "model": tiny_model}
 
 
 def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_capture(sent_twice, tmp_path):
@@ -127,10 +127,5 @@ def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_cap
     assert code == 0 and doc["stats"]["samples_complete"] == len(rows), errors(doc)
     warned = {f["rid"] for f in doc["findings"] if f["check"] == "coverage" and f["severity"] == "warning"}
     assert set(again) <= warned
-    code, doc = verify(str(tmp_path / "out"), "--dataset", data, "--reference", sent_twice_model(sent_twice))
+    code, doc = verify(str(tmp_path / "out"), "--dataset", data, "--reference", sent_twice["model"])
     assert code == 0, errors(doc)
-
-
-def sent_twice_model(sent_twice):
-    (run,) = open_runs(sent_twice["dump"])
-    return run.meta["model_path"]

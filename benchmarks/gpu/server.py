@@ -182,15 +182,17 @@ def run_server(kind: str, args, work: str, data: str, dump: str) -> dict:
                 for path in (warm, os.path.join(data, "timed.jsonl")):
                     for row in read_jsonl(path):
                         f.write(json.dumps(row) + "\n")
+                sent = set(dec.sent)
                 for row in read_jsonl(os.path.join(data, "decode.jsonl")):
-                    if row["id"] in set(dec.sent):
+                    if row["id"] in sent:
                         f.write(json.dumps(row) + "\n")
     finally:
         res["stop_s"] = round(srv.stop(), 1)
         log = srv.log()
         res["hs_dump_lines"] = [x for x in log.splitlines() if "[HS_DUMP]" in x][:12]
         res["decode_graph_lines"] = [x[-160:] for x in log.splitlines() if "cuda graph" in x.lower()][:4]
-        shutil.copy(log_path, os.path.join(args.out_dir, f"server-{kind}.log")) if args.out_dir else None
+        if args.out_dir:
+            shutil.copy(log_path, os.path.join(args.out_dir, f"server-{kind}.log"))
     print(json.dumps({k: v for k, v in res.items() if k not in ("hs_dump_lines", "decode_graph_lines")}), flush=True)
     return res
 
