@@ -49,18 +49,21 @@ def main() -> int:
 
     import numpy as np
 
-    from hs_capture.reader import open_runs, stitch
+    from hs_capture.assemble import Assembler, plan
 
-    (run,) = open_runs(dump)
-    samples = stitch(run)
+    # what `hscap merge` reads: the one completeness rule, then the samples stitched from the steps
+    p = plan([dump], {rid: len(ids) for rid, ids in reqs.items()})
+    assert not p.incomplete, p.incomplete
+    asm = Assembler(p)
     worst = 0.0
     for rid, ids in reqs.items():
-        s = samples[rid]
+        s = asm.sample(rid)
         ref = hf_hidden_states(model, ids)
-        diffs = [np.abs(s.layers[k] - ref[k]).max() for k in s.layers] + [np.abs(s.final - ref[-1]).max()]
+        diffs = [np.abs(s.layers[k].numpy() - ref[k]).max() for k in s.layers]
+        diffs.append(np.abs(s.final.numpy() - ref[-1]).max())
         worst = max(worst, float(max(diffs)))
-        assert s.complete and s.input_ids.tolist() == ids, rid
-    print(f"{len(reqs)} samples stitched from {run.path}\n"
+        assert s.input_ids.tolist() == ids, rid
+    print(f"{len(reqs)} samples stitched from {p.runs[0].path}\n"
           f"layers {sorted(s.layers)} + final: max |captured - transformers| = {worst:.2e} (float32)")
     return 0 if worst <= 1e-4 else 1
 

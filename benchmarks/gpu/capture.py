@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from hs_capture.config import CaptureConfig  # noqa: E402
 from hs_capture.layout import RankId  # noqa: E402
 from hs_capture.reader import open_runs  # noqa: E402
+from hs_capture.staging import step_buffer_bytes  # noqa: E402
 from hs_capture.writer import ShardWriter  # noqa: E402
 
 T, H, K = 8192, 7168, 3
@@ -55,7 +56,8 @@ def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 
     sizes = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model asks for at model init
     w.prewarm(sizes)
     deadline = time.time() + 30  # at model init there is ample time before the first request
-    while w.pinned_pool.pinned_bytes < inflight // sum(sizes) * sum(sizes) and time.time() < deadline:
+    step = w.pinned_pool.rounded(step_buffer_bytes(sizes))  # what prewarm pins: whole steps, one buffer each
+    while w.pinned_pool.pinned_bytes < inflight // step * step and time.time() < deadline:
         time.sleep(0.1)
     return w
 
@@ -114,8 +116,7 @@ def staged_bandwidth(steps: int = 6) -> dict:
     t = step_tensors(gen)
     nbytes = sum(v.numel() * v.element_size() for v in t.values())
     st = Stager(T, 4 << 30, 2)
-    sizes = [v.numel() * v.element_size() for v in t.values()]
-    st.pool.prewarm(sizes * 2)
+    st.pool.prewarm([step_buffer_bytes([v.numel() * v.element_size() for v in t.values()])] * 2)
     best = float("inf")
     for _ in range(steps):
         torch.cuda.synchronize()
