@@ -1,13 +1,13 @@
-"""The input file a user sends and merges by: JSONL, one sample a line,
+"""The inputs: the file a user sends and merges by (`--dataset`), JSONL, one sample a line,
 {"id": ..., "input_ids": [...], "loss_mask": [...]} (loss_mask optional). Parsed line by line,
-each problem named by its line number. A leaf: `hscap send` reads it to send, merge and
-verify read it for ids, lengths and loss masks."""
+each problem named by its line number. A leaf: `hscap send` streams it (read_inputs), merge and
+verify load it whole for ids, order and loss masks (load_inputs)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 
 class BadLine(ValueError):
@@ -19,9 +19,31 @@ class InputSample:
     line: int
     id: str
     input_ids: List[int]
+    loss_mask: Optional[List[int]] = None
 
 
-def read_dataset(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[str]]]:
+@dataclass
+class Inputs:
+    """The whole input file: per id, the token ids and loss mask, and the ids in file order."""
+
+    ids: Dict[str, List[int]]
+    masks: Dict[str, Optional[List[int]]]
+    order: List[str]
+
+
+def load_inputs(path: str) -> Inputs:
+    """The whole input file; BadLine on its first bad line, OSError when it cannot be read."""
+    out = Inputs({}, {}, [])
+    for n, sample, error in read_inputs(path):
+        if error is not None:
+            raise BadLine(f"{path}: {error}")
+        out.ids[sample.id] = sample.input_ids
+        out.masks[sample.id] = sample.loss_mask
+        out.order.append(sample.id)
+    return out
+
+
+def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[str]]]:
     """Yield (line number, sample or None, error or None) for every non-blank line."""
     seen: Set[str] = set()
     with open(path, "rb") as f:
@@ -55,4 +77,4 @@ def parse_line(raw: bytes, n: int) -> InputSample:
     if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)
                              or not all(m in (0, 1) for m in mask)):
         raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id")
-    return InputSample(n, str(sid), ids)
+    return InputSample(n, str(sid), ids, mask)

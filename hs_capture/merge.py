@@ -21,7 +21,7 @@ import torch
 from .assemble import Assembler, Plan, plan
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
-from .inputs import read_dataset
+from .inputs import BadLine, Inputs, load_inputs
 from .layout import MERGE_REPORT, TEMP_MARK
 from .reader import DumpError, first_mismatch
 
@@ -31,31 +31,6 @@ SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memo
 
 class MergeError(Exception):
     """Bad merge input: the message is the one line the CLI prints."""
-
-
-@dataclass
-class Dataset:
-    """What --dataset gives: per id, the token ids and loss mask."""
-
-    ids: Dict[str, List[int]]
-    masks: Dict[str, Optional[List[int]]]
-    order: List[str]
-
-
-def load_dataset(path: str) -> Dataset:
-    ids, masks, order = {}, {}, []
-    for n, sample, error in read_dataset(path):
-        if error is not None:
-            raise MergeError(f"{path}: {error}")
-        ids[sample.id] = sample.input_ids
-        order.append(sample.id)
-    # loss masks are read in a second pass: read_dataset validated them already
-    with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                obj = json.loads(raw)
-                masks[str(obj["id"])] = obj.get("loss_mask")
-    return Dataset(ids, masks, order)
 
 
 @dataclass
@@ -81,13 +56,13 @@ class MergeResult:
         self.incomplete.update(other.incomplete)
 
 
-def _rows(p: Plan, ds: Optional[Dataset]) -> List[Tuple[int, str]]:
+def _rows(p: Plan, ds: Optional[Inputs]) -> List[Tuple[int, str]]:
     """Every sample's row, incomplete ones included, so rows never depend on what was captured."""
     order = ds.order if ds is not None else sorted(set(p.samples) | set(p.incomplete))
     return list(enumerate(order))
 
 
-def _checked_sample(asm: Assembler, rid: str, ds: Optional[Dataset], res: MergeResult):
+def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeResult):
     """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
     try:
         s = asm.sample(rid)
@@ -171,7 +146,10 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     if training_format is None:
         raise MergeError(f"unknown format {fmt_name!r}: choose from {NAMES}")
     t0 = time.monotonic()
-    ds = load_dataset(dataset) if dataset else None
+    try:
+        ds = load_inputs(dataset) if dataset else None
+    except BadLine as e:
+        raise MergeError(str(e)) from None
     p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
     problem = training_format.problem(p.prenorm, p.layers)
     if problem:

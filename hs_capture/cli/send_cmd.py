@@ -9,7 +9,7 @@ from typing import List, Optional
 import click
 
 from .. import send as sender
-from ..inputs import InputSample, read_dataset
+from ..inputs import InputSample, read_inputs
 from ._common import JSON, QUIET, Progress, emit_json
 
 
@@ -64,7 +64,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
 
     if dry_run:
         stats = sender.SendStats()
-        for n, sample, error in read_dataset(dataset):
+        for n, sample, error in read_inputs(dataset):
             if error is not None:
                 stats.bad_lines += 1
                 on_failure({"id": None, "line": n, "error": error})
@@ -77,7 +77,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
                 stats.sent += 1
                 stats.tokens += len(sample.input_ids)
     else:
-        stats = sender.run(url, read_dataset(dataset), concurrency=concurrency, retries=retries,
+        stats = sender.run(url, read_inputs(dataset), concurrency=concurrency, retries=retries,
                            timeout=timeout, backoff=backoff, skip=skip, on_failure=on_failure,
                            on_progress=on_progress, stop_on_bad_line=on_bad_line == "stop")
     progress.close()

@@ -59,14 +59,14 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
                layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
     dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
-    from ..merge import MergeError, load_dataset  # the dataset exactly as merge reads it
+    from ..inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
     from ..verify import verify
 
     ids, order = None, None
     if dataset:
         try:
-            ds = load_dataset(dataset)
-        except MergeError as e:
+            ds = load_inputs(dataset)
+        except BadLine as e:
             raise click.ClickException(str(e))
         ids, order = ds.ids, ds.order
     if reference:

@@ -227,80 +227,102 @@ class _Marking:
         self._report.looked(check, n)
 
 
-def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int]]]) -> int:  # noqa: C901
+def check_step(step: _Step, report: Report, dataset: Optional[Dict[str, List[int]]]) -> int:
     """Decode every file of one step and check it. Returns bytes read."""
-    run, line = step.run, step.line
-    meta = run.ranks[step.rank]
+    line = step.line
     report = _Marking(report, step)
-    n, hidden_size = line["num_tokens"], meta["hidden_size"]
     hidden: Dict[str, np.ndarray] = {}
     crcs: Dict[str, int] = {}
     final: Dict[str, np.ndarray] = {}
     read = 0
     for part, f in sorted(line["files"].items()):
-        path = os.path.join(run.path, f["path"])
-        rel = _rel(run, path)
-        report.looked("header")
-        try:
-            with open(path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                read += size
-                try:
-                    header = fmt.read_header(fh, size)
-                except fmt.Truncated as e:
-                    report.add("truncated", str(e), path=rel)
-                    continue
-                except (fmt.InvalidOffset, fmt.TrailingBytes) as e:
-                    # shorter than the index says it was written: cut, whatever the header then claims
-                    short = isinstance(f.get("bytes"), int) and size < f["bytes"]
-                    report.add("truncated" if short else "header", f"{type(e).__name__}: {e}", path=rel)
-                    continue
-                except _HEADER_ERRORS as e:
-                    report.add("header", f"{type(e).__name__}: {e}", path=rel)
-                    continue
-                except fmt.CodecError as e:
-                    report.add("header", str(e), path=rel)
-                    continue
-                report.looked("truncated")
-                if isinstance(f.get("bytes"), int) and f["bytes"] != size:  # whole, but not what was indexed
-                    report.add("files", f"file has {size} bytes, the index recorded {f['bytes']} "
-                                        "(rewritten after capture?)", WARNING, rel)
-                _check_placement(header.metadata, meta.get("run_id"), step.rank, line["step"], part, rel, report)
-                names = {"hidden", "input_ids", "positions"} if part == FINAL else {"hidden"}
-                if set(header.tensors) != names:
-                    report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=rel)
-                arrays, bf16 = {}, {}
-                for name, e in header.tensors.items():
-                    report.looked("checksum")
-                    try:
-                        raw = fmt.read_tensor_bytes(fh, header, name)
-                    except fmt.FormatError as err:
-                        report.add("checksum", f"{name}: {err}", path=rel)
-                        continue
-                    arrays[name] = as_array(raw, e.dtype, e.shape)
-                    bf16[name] = e.dtype == "bfloat16"
-                    _check_shape(name, e, n, hidden_size, line.get("dtype"), rel, report)
-        except OSError as e:
-            if not isinstance(e, FileNotFoundError):  # a missing file is the files check's
-                report.add("files", f"unreadable: {e.strerror or e}", path=rel)
+        got = _check_part(step, part, f, report)
+        if got is None:
             continue
-        if "hidden" in arrays:
-            a = arrays["hidden"]
-            hidden[part] = a
-            crcs[part] = header.tensors["hidden"].crc32
+        read += got.size
+        if "hidden" in got.arrays:
+            hidden[part], crcs[part] = got.arrays["hidden"], got.hidden_crc
             report.looked("nonfinite")
             report.looked("degenerate")
-            for check, msg in value_problems(a, bf16["hidden"]):
-                report.add(check, msg, path=rel)
+            for check, msg in value_problems(got.arrays["hidden"], got.hidden_bf16):
+                report.add(check, msg, path=got.rel)
         if part == FINAL:
-            final = arrays
+            final = got.arrays
     report.looked("identical")
     for a, b in identical_pairs(hidden, crcs):
         report.add("identical", f"parts {a} and {b} hold bit-identical states (the same layer written twice?)",
-                   path=_rel(run, os.path.join(run.path, line["files"][b]["path"])))
+                   path=_rel(step.run, os.path.join(step.run.path, line["files"][b]["path"])))
     if "positions" in final and "input_ids" in final:
         _check_rows(step, final, dataset, report)
     return read
+
+
+@dataclass
+class _Decoded:
+    """One part file of a step, decoded: what check_step needs to compare the parts."""
+    rel: str
+    size: int
+    arrays: Dict[str, np.ndarray]
+    hidden_crc: int = 0
+    hidden_bf16: bool = False
+
+
+def _check_part(step: _Step, part: str, f: dict, report: "_Marking") -> Optional[_Decoded]:
+    """Open, parse and decode one part file, reporting what is wrong with its structure.
+    None when it cannot be read at all (the finding is reported)."""
+    path = os.path.join(step.run.path, f["path"])
+    rel = _rel(step.run, path)
+    report.looked("header")
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            header = _read_header(fh, size, f, rel, report)
+            if header is None:
+                return _Decoded(rel, size, {})
+            report.looked("truncated")
+            if isinstance(f.get("bytes"), int) and f["bytes"] != size:  # whole, but not what was indexed
+                report.add("files", f"file has {size} bytes, the index recorded {f['bytes']} "
+                                    "(rewritten after capture?)", WARNING, rel)
+            meta = step.run.ranks[step.rank]
+            _check_placement(header.metadata, meta.get("run_id"), step.rank, step.line["step"], part, rel, report)
+            names = {"hidden", "input_ids", "positions"} if part == FINAL else {"hidden"}
+            if set(header.tensors) != names:
+                report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=rel)
+            out = _Decoded(rel, size, {})
+            for name, e in header.tensors.items():
+                report.looked("checksum")
+                try:
+                    raw = fmt.read_tensor_bytes(fh, header, name)
+                except fmt.FormatError as err:
+                    report.add("checksum", f"{name}: {err}", path=rel)
+                    continue
+                out.arrays[name] = as_array(raw, e.dtype, e.shape)
+                if name == "hidden":
+                    out.hidden_crc, out.hidden_bf16 = e.crc32, e.dtype == "bfloat16"
+                _check_shape(name, e, step.line["num_tokens"], meta["hidden_size"], step.line.get("dtype"), rel,
+                             report)
+            return out
+    except OSError as e:
+        if not isinstance(e, FileNotFoundError):  # a missing file is the files check's
+            report.add("files", f"unreadable: {e.strerror or e}", path=rel)
+        return None
+
+
+def _read_header(fh, size: int, f: dict, rel: str, report: "_Marking") -> Optional[fmt.Header]:
+    """The file's header, or None with the finding reported under the check it belongs to."""
+    try:
+        return fmt.read_header(fh, size)
+    except fmt.Truncated as e:
+        report.add("truncated", str(e), path=rel)
+    except (fmt.InvalidOffset, fmt.TrailingBytes) as e:
+        # shorter than the index says it was written: cut, whatever the header then claims
+        short = isinstance(f.get("bytes"), int) and size < f["bytes"]
+        report.add("truncated" if short else "header", f"{type(e).__name__}: {e}", path=rel)
+    except _HEADER_ERRORS as e:
+        report.add("header", f"{type(e).__name__}: {e}", path=rel)
+    except fmt.CodecError as e:
+        report.add("header", str(e), path=rel)
+    return None
 
 
 def _check_placement(md: Dict[str, str], run_id: Optional[str], rank: str, step: int, part: str, rel: str,

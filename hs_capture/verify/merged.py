@@ -24,7 +24,6 @@ from .report import Report
 from .values import identical_pairs, value_problems
 
 
-
 @dataclass
 class Item:
     """One merged sample to check: where it is and how to read it."""
@@ -107,28 +106,10 @@ def load_item(item: Item, headers: Dict[str, fmt.Header]) -> Loaded:
 # ----------------------------------------------------------------- checks
 def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]]],
                headers: Dict[str, fmt.Header], seen: Dict[str, str]) -> Optional[Loaded]:
+    """Load one merged sample and check it; the sample, or None when it cannot be used."""
     report.looked("samples")
-    try:
-        s = load_item(item, headers)
-    except fmt.Truncated as e:
-        report.add("truncated", str(e), path=item.path)
-        return None
-    except (fmt.ChecksumMismatch, fmt.CodecError, fmt.SizeMismatch) as e:
-        report.add("checksum", str(e), path=item.path)
-        return None
-    except fmt.FormatError as e:
-        report.add("header", f"{type(e).__name__}: {e}", path=item.path)
-        return None
-    except KeyError as e:
-        report.add("samples", f"lacks key {e} of the {item.fmt} format", path=item.path, rid=item.rid)
-        return None
-    except (ValueError, RuntimeError, OSError, EOFError, TypeError, AttributeError) as e:
-        # torch.load's errors on a damaged file are RuntimeError/EOFError/pickle errors
-        report.add("header", f"cannot load as {item.fmt}: {str(e).splitlines()[0][:200]}", path=item.path)
-        return None
-    except Exception as e:  # pickle.UnpicklingError and friends from a corrupt torch file
-        report.add("header", f"cannot load as {item.fmt}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                   path=item.path)
+    s = _load_checked(item, report, headers)
+    if s is None:
         return None
     rid = s.rid
     if rid is not None:
@@ -136,8 +117,43 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
             other = seen.setdefault(rid, item.path)
         if other != item.path:
             report.add("samples", f"the sample is also in {other}", path=item.path, rid=rid)
-    t, h = len(s.input_ids), s.hidden_size
     report.looked("shapes")
+    problems = _shape_problems(s)
+    for p in problems:
+        report.add("shapes", p, path=item.path, rid=rid)
+    if problems:
+        return None
+    _check_values(s, item.path, report)
+    if dataset is not None and rid is not None and rid in dataset:
+        report.looked("tokens")
+        want, have = dataset[rid], s.input_ids.tolist()
+        k = first_mismatch(have, want)
+        if k is not None:
+            report.add("tokens", f"token ids differ from the dataset at position {k} "
+                                 f"(lengths {len(have)} vs {len(want)})", path=item.path, rid=rid)
+    return s
+
+
+def _load_checked(item: Item, report: Report, headers: Dict[str, fmt.Header]) -> Optional[Loaded]:
+    """load_item, with each way a file can be broken reported under its check."""
+    try:
+        return load_item(item, headers)
+    except fmt.Truncated as e:
+        report.add("truncated", str(e), path=item.path)
+    except (fmt.ChecksumMismatch, fmt.CodecError, fmt.SizeMismatch) as e:
+        report.add("checksum", str(e), path=item.path)
+    except fmt.FormatError as e:
+        report.add("header", f"{type(e).__name__}: {e}", path=item.path)
+    except KeyError as e:
+        report.add("samples", f"lacks key {e} of the {item.fmt} format", path=item.path, rid=item.rid)
+    except Exception as e:  # torch.load on a damaged file: RuntimeError, EOFError, pickle errors
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        report.add("header", f"cannot load as {item.fmt}: {type(e).__name__}: {first}", path=item.path)
+    return None
+
+
+def _shape_problems(s: Loaded) -> List[str]:
+    t, h = len(s.input_ids), s.hidden_size
     problems = []
     if s.aux.ndim != 2 or s.aux.shape[0] != t or s.aux.shape[1] % h:
         problems.append(f"aux is {list(s.aux.shape)}, not ({t}, K*{h})")
@@ -149,10 +165,12 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
             problems.append(f"loss_mask is {list(s.loss_mask.shape)}, not ({t},)")
         elif not np.isin(s.loss_mask, (0, 1)).all():
             problems.append("loss_mask holds values other than 0 and 1")
-    for p in problems:
-        report.add("shapes", p, path=item.path, rid=rid)
-    if problems:
-        return None
+    return problems
+
+
+def _check_values(s: Loaded, path: str, report: Report) -> None:
+    """Non-finite, degenerate and duplicated states, per captured state of the sample."""
+    h = s.hidden_size
     named = {f"aux[{j}]": s.aux[:, j * h:(j + 1) * h] for j in range(s.aux.shape[1] // h)}
     if s.final is not None:
         named["final"] = s.final
@@ -162,19 +180,10 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
     report.looked("degenerate")
     for name, a in named.items():
         for check, msg in value_problems(a):
-            report.add(check, f"{name}: {msg}", path=item.path, rid=rid)
+            report.add(check, f"{name}: {msg}", path=path, rid=s.rid)
     report.looked("identical")
     for a, b in identical_pairs(named):
-        report.add("identical", f"{a} and {b} are bit-identical (the same layer written twice?)",
-                   path=item.path, rid=rid)
-    if dataset is not None and rid is not None and rid in dataset:
-        report.looked("tokens")
-        want, have = dataset[rid], s.input_ids.tolist()
-        k = first_mismatch(have, want)
-        if k is not None:
-            report.add("tokens", f"token ids differ from the dataset at position {k} "
-                                 f"(lengths {len(have)} vs {len(want)})", path=item.path, rid=rid)
-    return s
+        report.add("identical", f"{a} and {b} are bit-identical (the same layer written twice?)", path=path, rid=s.rid)
 
 
 def verify_merged(paths: Sequence[str], report: Report, dataset: Optional[Dict[str, List[int]]] = None,
