@@ -128,7 +128,9 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
 
 
 @dataclass
-class SampleTensors:
+class AssembledSample:
+    """One sample cut from a dump's steps and stitched in position order (what merge writes)."""
+
     rid: str
     input_ids: torch.Tensor  # (T,) int64
     layers: Dict[int, torch.Tensor]  # layer -> (T, H), stored dtype
@@ -179,7 +181,7 @@ class Assembler:
             self._cached -= sum(t.numel() * t.element_size() for p in old.values() for t in p.values())
         return parts
 
-    def sample(self, rid: str) -> SampleTensors:
+    def sample(self, rid: str) -> AssembledSample:
         pieces = self.plan.samples[rid]
         ids, final, pre = [], [], []
         layers: Dict[int, list] = {layer: [] for layer in self.plan.layers}
@@ -195,5 +197,5 @@ class Assembler:
                     pre.append(parts[PRENORM]["hidden"][rows])
             except KeyError as e:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
-        return SampleTensors(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},
+        return AssembledSample(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},
                              torch.cat(final), torch.cat(pre) if pre else None)

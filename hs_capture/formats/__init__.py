@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .loaded import Loaded
+from .merged_sample import MergedSample
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,8 @@ class TrainingFormat:
     file_name: Optional[Callable[[str, int], str]]
     # a file name (no directory) -> (file stem naming a rid, row) when it is this format's, else None
     identify: Callable[[str], Optional[Tuple[Optional[str], Optional[int]]]]
-    write: Callable  # per-sample: (path, SampleTensors, loss_mask) -> bytes written
-    load: Callable  # (path, key, headers) -> Loaded; key: the native row's tensor prefix
+    write: Callable  # per-sample: (path, AssembledSample, loss_mask) -> bytes written
+    load: Callable  # (path, key, headers) -> MergedSample; key: the native row's tensor prefix
     needs_prenorm: bool = False
     aux_layers: Optional[int] = None  # exactly this many captured layers, or any
 
@@ -49,4 +49,4 @@ def for_file(name: str) -> Optional[Tuple[TrainingFormat, Optional[str], Optiona
     return None
 
 
-__all__ = ["FORMATS", "NAMES", "Loaded", "TrainingFormat", "for_file"]
+__all__ = ["FORMATS", "NAMES", "MergedSample", "TrainingFormat", "for_file"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..files import atomic_file
 from .common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
-from .loaded import Loaded
+from .merged_sample import MergedSample
 
 
 def write(path: str, s, loss_mask) -> int:
@@ -18,12 +18,12 @@ def write(path: str, s, loss_mask) -> int:
     return atomic_file(path, lambda p: torch.save(data, p))
 
 
-def load(path: str, key, headers) -> Loaded:
+def load(path: str, key, headers) -> MergedSample:
     d = load_torch_dict(path)
     check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
     rid = d.get("conversation_id")
     fin = d["hidden_states"]
-    return Loaded(str(rid) if rid is not None else None, to_numpy(d["input_ids"]), to_numpy(d["loss_mask"]),
+    return MergedSample(str(rid) if rid is not None else None, to_numpy(d["input_ids"]), to_numpy(d["loss_mask"]),
                   to_numpy(d["aux_hidden_states"]), to_numpy(fin), None, fin.shape[-1], dtype_name(fin))
 
 

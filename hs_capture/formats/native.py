@@ -14,7 +14,7 @@ from .. import format as fmt
 from ..files import atomic_write
 from ..layout import NATIVE_INDEX, TEMP_MARK, TENSOR_SUFFIX
 from .common import aux_of, dtype_name
-from .loaded import Loaded
+from .merged_sample import MergedSample
 
 SHARD_DIR = "shards"
 KINDS = ("aux", "final", "input_ids", "loss_mask", "prenorm")  # the tensors of one sample
@@ -25,7 +25,7 @@ def shard_name(part: int, parts: int, k: int) -> str:
 
 
 def write_shard(path: str, items, codec: str = "bytegroup", level: int = 1) -> int:
-    """One shard holding many samples. items: (row, SampleTensors, loss_mask) triples."""
+    """One shard holding many samples. items: (row, AssembledSample, loss_mask) triples."""
     import torch
 
     def raw(name: str, t) -> "fmt.RawTensor":
@@ -70,7 +70,7 @@ def read_row(f, header: "fmt.Header", key: str) -> Dict[str, Tuple[bytes, "fmt.T
     return out
 
 
-def load(path: str, key: str, headers: Dict[str, "fmt.Header"]) -> Loaded:
+def load(path: str, key: str, headers: Dict[str, "fmt.Header"]) -> MergedSample:
     with open(path, "rb") as f:
         header = headers.get(path)
         if header is None:
@@ -78,7 +78,7 @@ def load(path: str, key: str, headers: Dict[str, "fmt.Header"]) -> Loaded:
         got = {kind: fmt.to_numpy(raw, e.dtype, e.shape) for kind, (raw, e) in read_row(f, header, key).items()}
         dtype = header.tensors[f"{key}/final"].dtype if f"{key}/final" in header.tensors else "float32"
     fin = got["final"]
-    return Loaded(None, got["input_ids"], got["loss_mask"], got["aux"], fin, got.get("prenorm"), fin.shape[-1], dtype)
+    return MergedSample(None, got["input_ids"], got["loss_mask"], got["aux"], fin, got.get("prenorm"), fin.shape[-1], dtype)
 
 
 def _format():

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..files import atomic_file
 from .common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
-from .loaded import Loaded
+from .merged_sample import MergedSample
 
 
 def write(path: str, s, loss_mask) -> int:
@@ -18,13 +18,13 @@ def write(path: str, s, loss_mask) -> int:
     return atomic_file(path, lambda p: torch.save(data, p))
 
 
-def load(path: str, key, headers) -> Loaded:
+def load(path: str, key, headers) -> MergedSample:
     d = load_torch_dict(path)
     ids, aux, fin = d["input_ids"], d["aux_hidden_state"], d["hidden_state"]
     if aux.dim() != 3 or aux.shape[0] != 1 or fin.dim() != 3 or fin.shape[0] != 1:
         raise ValueError(f"aux_hidden_state {list(aux.shape)} / hidden_state {list(fin.shape)} are not (1, T, *)")
     check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
-    return Loaded(None, to_numpy(ids), to_numpy(d["loss_mask"]), to_numpy(aux[0]), to_numpy(fin[0]), None,
+    return MergedSample(None, to_numpy(ids), to_numpy(d["loss_mask"]), to_numpy(aux[0]), to_numpy(fin[0]), None,
                   fin.shape[-1], dtype_name(fin))
 
 

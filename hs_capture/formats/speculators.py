@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import format as fmt
 from ..files import atomic_file
-from .loaded import Loaded
+from .merged_sample import MergedSample
 
 _ST_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
@@ -104,14 +104,14 @@ def load_safetensors(path: str, dtypes: Optional[Dict[str, str]] = None) -> Tupl
     return out, meta
 
 
-def load(path: str, key, headers) -> Loaded:
+def load(path: str, key, headers) -> MergedSample:
     dtypes: Dict[str, str] = {}
     arrays, meta = load_safetensors(path, dtypes)
     hs, ids = arrays["hidden_states"], arrays["token_ids"]
     if hs.ndim != 3 or hs.shape[1] != 4:
         raise ValueError(f"hidden_states is {list(hs.shape)}, not [T, 4, H]")
     t, _, h = hs.shape
-    return Loaded(meta.get("rid"), ids, None, hs[:, :3].reshape(t, 3 * h), None, hs[:, 3], h,
+    return MergedSample(meta.get("rid"), ids, None, hs[:, :3].reshape(t, 3 * h), None, hs[:, 3], h,
                   _ST_NAMES.get(dtypes.get("hidden_states", ""), "float32"))
 
 

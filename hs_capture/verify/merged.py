@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .. import format as fmt
-from ..formats import FORMATS, Loaded, for_file, native
+from ..formats import FORMATS, MergedSample, for_file, native
 from ..layout import MERGE_REPORT, NATIVE_INDEX, TEMP_MARK
 from ..reader import first_mismatch
 from .pool import bounded_map, pick
@@ -95,7 +95,7 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
 
 
 # ----------------------------------------------------------------- loading
-def load_item(item: Item, headers: Dict[str, fmt.Header]) -> Loaded:
+def load_item(item: Item, headers: Dict[str, fmt.Header]) -> MergedSample:
     """Read one merged sample through its format's entry. KeyError / ValueError: wrong layout."""
     s = FORMATS[item.fmt].load(item.path, item.key, headers)
     if s.rid is None:
@@ -105,7 +105,7 @@ def load_item(item: Item, headers: Dict[str, fmt.Header]) -> Loaded:
 
 # ----------------------------------------------------------------- checks
 def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]]],
-               headers: Dict[str, fmt.Header], seen: Dict[str, str]) -> Optional[Loaded]:
+               headers: Dict[str, fmt.Header], seen: Dict[str, str]) -> Optional[MergedSample]:
     """Load one merged sample and check it; the sample, or None when it cannot be used."""
     report.looked("samples")
     s = _load_checked(item, report, headers)
@@ -134,7 +134,7 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
     return s
 
 
-def _load_checked(item: Item, report: Report, headers: Dict[str, fmt.Header]) -> Optional[Loaded]:
+def _load_checked(item: Item, report: Report, headers: Dict[str, fmt.Header]) -> Optional[MergedSample]:
     """load_item, with each way a file can be broken reported under its check."""
     try:
         return load_item(item, headers)
@@ -152,7 +152,7 @@ def _load_checked(item: Item, report: Report, headers: Dict[str, fmt.Header]) ->
     return None
 
 
-def _shape_problems(s: Loaded) -> List[str]:
+def _shape_problems(s: MergedSample) -> List[str]:
     t, h = len(s.input_ids), s.hidden_size
     problems = []
     if s.aux.ndim != 2 or s.aux.shape[0] != t or s.aux.shape[1] % h:
@@ -168,7 +168,7 @@ def _shape_problems(s: Loaded) -> List[str]:
     return problems
 
 
-def _check_values(s: Loaded, path: str, report: Report) -> None:
+def _check_values(s: MergedSample, path: str, report: Report) -> None:
     """Non-finite, degenerate and duplicated states, per captured state of the sample."""
     h = s.hidden_size
     named = {f"aux[{j}]": s.aux[:, j * h:(j + 1) * h] for j in range(s.aux.shape[1] // h)}

@@ -31,6 +31,9 @@ _EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
 @dataclass
 class Stored:
+    """A sample as the dump or the merged output stores it, states as float32 copies by layer:
+    the one shape the reference comparison reads, whichever side it came from."""
+
     rid: str
     path: Optional[str]
     input_ids: np.ndarray

@@ -9,7 +9,9 @@ import numpy as np
 
 
 @dataclass
-class Loaded:
+class MergedSample:
+    """One sample of `hscap merge` output read back through its format (what verify checks)."""
+
     rid: Optional[str]
     input_ids: np.ndarray
     loss_mask: Optional[np.ndarray]
