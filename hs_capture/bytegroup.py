@@ -26,6 +26,7 @@ one zstd frame, streamed block by block.
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Callable, List, Tuple
 
 import numpy as np
@@ -61,8 +62,10 @@ def _rows_view(raw, row_bytes: int) -> np.ndarray:
     return flat.reshape(-1, row_bytes)
 
 
-def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: int) -> List:
-    """Chunks of one payload. `compressor()` gives this thread's zstd compressor."""
+def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: int) -> Tuple[List, int]:
+    """Chunks of one payload, and the crc32 of the raw bytes (taken block by block while they
+    are in cache: one pass over memory, not two). `compressor()` gives this thread's zstd
+    compressor."""
     if itemsize not in _UINT:
         raise BytegroupError(f"bytegroup takes 2- or 4-byte floats, not {itemsize}-byte elements")
     u8 = _rows_view(raw, row_bytes)
@@ -77,22 +80,34 @@ def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: 
     sinks: List = [None] * itemsize  # per plane: a _Stream, or the whole plane kept raw
     centres = np.empty(rows, dtype=np.uint8) if transform == EXPONENT else None
     centre = None  # centre the exponents per row? decided on the first block
+    crc = 0
     # Scratch buffers reused by every block: fresh ones would page-fault on every block.
+    block = np.empty((min(step, rows), width), dtype=np.uint8)
     word = np.empty((min(step, rows), per_row), dtype=uint)
     spare = np.empty_like(word)
-    plane = np.empty(word.shape, dtype=np.uint8)
+    plane = np.empty((min(step, rows), per_row), dtype=np.uint8)
     for a in range(0, rows, step):
-        w = u8[a:a + step].view(uint)
-        n = len(w)
+        src = u8[a:a + step]
+        n = len(src)
+        if src.flags.c_contiguous:
+            b = src
+        else:  # a column block of a wider buffer: gather its rows once, then work in cache
+            np.copyto(block[:n], src)
+            b = block[:n]
+        crc = zlib.crc32(b, crc)
+        w = b.view(uint)
         if transform == EXPONENT:  # rotate left by one: [exponent | mantissa, sign]
             np.left_shift(w, 1, out=word[:n])
             np.right_shift(w, bits - 1, out=spare[:n])
             np.bitwise_or(word[:n], spare[:n], out=word[:n])
             w = word[:n]
         for j in range(itemsize):
-            np.right_shift(w, 8 * j, out=spare[:n])
-            np.copyto(plane[:n], spare[:n], casting="unsafe")  # keeps the low byte: byte j
             p = plane[:n]
+            if j:  # byte j of each element: shift it down, keep the low byte (faster than a strided copy)
+                np.right_shift(w, 8 * j, out=spare[:n])
+                np.copyto(p, spare[:n], casting="unsafe")
+            else:
+                np.copyto(p, w, casting="unsafe")
             if centres is not None and j == itemsize - 1:
                 m = _row_centres(p) if centre is not False else np.zeros(n, dtype=np.uint8)
                 if centre is None:  # the first block decides: centre only where it helps
@@ -111,7 +126,7 @@ def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: 
                 sinks[j][a * per_row:(a + n) * per_row] = flat
     if centres is not None and not centre:
         centres = centres[:0]  # not centred: an empty chunk says so
-    return _assemble(sinks, centres, itemsize, rows, transform)
+    return _assemble(sinks, centres, itemsize, rows, transform), crc
 
 
 def _row_centres(e: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ one per thread.
 from __future__ import annotations
 
 import threading
+from typing import List, Tuple
 
 CODECS = ("raw", "zstd", "bytegroup")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
@@ -92,21 +93,26 @@ def codec_for(codec: str, dtype: str) -> str:
     return "zstd" if codec == "bytegroup" and dtype not in FLOAT_DTYPES else codec
 
 
+def encode_bytegroup(raw, level: int, itemsize: int, dtype: str, row_bytes: int) -> Tuple[List, int]:
+    """bytegroup chunks of C-order bytes (a buffer, or a 2-D uint8 array of row-contiguous
+    bytes: a column block stays where it is) and the crc32 of those raw bytes."""
+    from . import bytegroup  # numpy: imported only when a float tensor is written
+
+    try:
+        return bytegroup.encode(raw, lambda: _compressor(level, fast_planes=True), itemsize, row_bytes,
+                                bytegroup.transform_for(dtype, level))
+    except bytegroup.BytegroupError as e:
+        raise CodecError(str(e)) from None
+
+
 def encode(raw, codec: str, level: int, itemsize: int, dtype: str = "", row_bytes: int = 0):
-    """Encode C-order bytes; returns bytes or a list of chunks (written in order). bytegroup
-    also takes a 2-D uint8 array of row-contiguous bytes (see format._raw_and_crc)."""
+    """Encode C-order bytes; returns bytes or a list of chunks (written in order)."""
     if codec == "raw":
         return raw
     if codec == "zstd":
         return _compressor(level).compress(raw)
     if codec == "bytegroup":
-        from . import bytegroup  # numpy: imported only when a float tensor is written
-
-        try:
-            return bytegroup.encode(raw, lambda: _compressor(level, fast_planes=True), itemsize, row_bytes,
-                                    bytegroup.transform_for(dtype, level))
-        except bytegroup.BytegroupError as e:
-            raise CodecError(str(e)) from None
+        return encode_bytegroup(raw, level, itemsize, dtype, row_bytes)[0]
     raise CodecError(f"unknown codec {codec!r}")
 
 

@@ -126,18 +126,21 @@ def encode_file(
         if t.dtype not in ITEMSIZE:
             raise TensorInvalidInfo(f"{t.name}: unsupported dtype {t.dtype!r}")
         expect = _checked_nbytes(t.name, t.dtype, t.shape)
-        raw, crc = _raw_and_crc(t.data)
-        nbytes = raw.nbytes if isinstance(raw, memoryview) else raw.size
+        nbytes = t.data.size if _is_block(t.data) else memoryview(t.data).nbytes
         if nbytes != expect:
             raise SizeMismatch(f"{t.name}: {nbytes} bytes given, shape/dtype need {expect}")
         used = _codec.codec_for(codec, t.dtype)
-        if used != "bytegroup" and not isinstance(raw, memoryview):
-            import numpy as np
+        if used == "bytegroup" and nbytes:  # it checksums the bytes as it reads them
+            row_bytes = int(t.shape[-1]) * ITEMSIZE[t.dtype] if len(t.shape) else 0
+            chunks, crc = _codec.encode_bytegroup(t.data, level, ITEMSIZE[t.dtype], t.dtype, row_bytes)
+        else:
+            raw, crc = _raw_and_crc(t.data)
+            if not isinstance(raw, memoryview):
+                import numpy as np
 
-            raw = memoryview(np.ascontiguousarray(raw)).cast("B")
-        row_bytes = int(t.shape[-1]) * ITEMSIZE[t.dtype] if len(t.shape) else 0
-        payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype], t.dtype, row_bytes)
-        chunks = payload if isinstance(payload, list) else [payload]
+                raw = memoryview(np.ascontiguousarray(raw)).cast("B")
+            payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype], t.dtype)
+            chunks = payload if isinstance(payload, list) else [payload]
         size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
         entries[t.name] = {
             "dtype": t.dtype,
@@ -159,11 +162,16 @@ def encode_file(
     return [MAGIC + struct.pack("<Q", len(blob)) + blob, *payloads]
 
 
+def _is_block(data) -> bool:
+    """A 2-D uint8 numpy array whose rows are contiguous but not adjacent (a column block)."""
+    return hasattr(data, "flags") and data.ndim == 2 and not data.flags.c_contiguous
+
+
 def _raw_and_crc(data):
     """Bytes to encode and their crc32. `data` is a buffer, or a 2-D uint8 numpy array whose
     rows are contiguous but not adjacent (one layer's column block of SGLang's packed aux
     buffer): such a block is checksummed row by row and never copied whole."""
-    if hasattr(data, "flags") and data.ndim == 2 and not data.flags.c_contiguous:  # numpy
+    if _is_block(data):
         import numpy as np
 
         crc = 0
