@@ -14,6 +14,7 @@ from .codec import CODECS
 
 DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deployment's name
 ON_FULL_POLICIES = ("block", "drop")
+BACKLOG_POLICIES = ("raw", "off")
 
 
 class ConfigError(ValueError):
@@ -30,6 +31,9 @@ class CaptureConfig:
     writer_threads: int = 0  # 0: sized at model load from the cores and the writers on the host
     max_inflight_bytes: int = 4 << 30
     on_full: str = "block"
+    # when over half the in-flight budget waits, write steps raw (crc-checked, every byte kept)
+    # until the backlog drains: cheaper than blocking the forward; "off" always compresses
+    on_backlog: str = "raw"
     fsync: bool = True
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
     prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
@@ -125,6 +129,10 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     on_full = env.get("HSCAP_ON_FULL", "block").strip() or "block"
     if on_full not in ON_FULL_POLICIES:
         raise ConfigError(f"HSCAP_ON_FULL={on_full!r}: choose block (lossless) or drop (counted)")
+    on_backlog = env.get("HSCAP_ON_BACKLOG", "raw").strip() or "raw"
+    if on_backlog not in BACKLOG_POLICIES:
+        raise ConfigError(f"HSCAP_ON_BACKLOG={on_backlog!r}: choose raw (write raw while the writer is behind) "
+                          "or off (always compress)")
     return CaptureConfig(
         dump_dir=os.path.abspath(dump_dir),
         run_id=run_id,
@@ -134,13 +142,13 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         writer_threads=_int(env, "HSCAP_WRITER_THREADS", 0, 0, 64),
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
         on_full=on_full,
+        on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
         prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
         min_free_bytes=_min_free(env),
         flush_timeout_s=_number(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0, float),
     )
-
 
 
 def _min_free(env: Mapping[str, str]) -> int:

@@ -5,7 +5,9 @@ threads turn each job into one .hst file per part, each written under a temp
 name, fsynced and renamed; only when every file of the step is durable is the
 step's index line appended. In-flight memory is bounded: `block` (default)
 makes the forward wait, `drop` skips the step and writes a `dropped` index line,
-so no loss is ever silent.
+so no loss is ever silent. Before it comes to that, a writer that falls behind (over half
+the budget waiting) writes steps raw until it catches up (`on_backlog`); when even raw
+writes cannot keep up the disk is the limit, and that is said once, with the rates.
 """
 
 from __future__ import annotations
@@ -69,6 +71,26 @@ class _Budget:
             self._cond.notify_all()
 
 
+class _Rates:
+    """Bytes produced (submitted) since the first step: the disk-bound report's rates."""
+
+    def __init__(self) -> None:
+        self.t0: Optional[float] = None
+        self.produced = 0
+
+    def note(self, nbytes: int) -> None:
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        self.produced += nbytes
+
+    def gbps(self, nbytes: int) -> float:
+        return nbytes / 1e9 / max(1e-9, time.monotonic() - (self.t0 or time.monotonic()))
+
+
+# Forwards held this long in total: the writer is behind even with raw writes.
+_DISK_BOUND_AFTER_S = 1.0
+
+
 class ShardWriter:
     """One per writing rank. `submit` is the only call on the forward's critical path."""
 
@@ -85,8 +107,10 @@ class ShardWriter:
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._index_lock = threading.Lock()
         self._stats_lock = threading.Lock()
-        self.stats = {"steps_written": 0, "steps_dropped": 0, "steps_failed": 0,
+        self.stats = {"steps_written": 0, "steps_dropped": 0, "steps_failed": 0, "steps_written_raw": 0,
                       "tokens_written": 0, "raw_bytes": 0, "file_bytes": 0}
+        self._rates = _Rates()
+        self._disk_bound_said = False
         self._threads: List[threading.Thread] = []
         self._closed = False
         self._next_step = 0
@@ -141,9 +165,12 @@ class ShardWriter:
         step = self._next_step
         self._next_step += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._rates.note(nbytes)
         if not self._budget.acquire(nbytes, block=self.cfg.on_full == "block"):
             self._drop(step, meta)
             return False
+        if not self._disk_bound_said and self._budget.waited_s > _DISK_BOUND_AFTER_S:
+            self._say_disk_bound()
         try:
             staged = self._stager.stage(tensors, inputs=_INPUT_PARTS, block=self.cfg.on_full == "block")
         except BaseException:
@@ -155,6 +182,23 @@ class ShardWriter:
             return False
         self._queue.put((step, meta, staged, aux_layers or []))
         return True
+
+    def _say_disk_bound(self) -> None:
+        """Once, loudly: the writer held forwards although it writes raw when behind."""
+        self._disk_bound_said = True
+        with self._stats_lock:
+            raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
+                                   self.stats["steps_written"])
+            rates = {"time": time.time(), "forward_waited_s": round(self._budget.waited_s, 3),
+                     "produced_gbps": round(self._rates.gbps(self._rates.produced), 4),
+                     "written_gbps": round(self._rates.gbps(raw), 4), "to_disk_gbps": round(self._rates.gbps(disk), 4)}
+            self.run_meta["disk_bound"] = rates
+        why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
+               else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
+        log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (policy block: nothing "
+                    "lost, the server runs at the writer's pace). States produced at %.2f GB/s, written at %.2f "
+                    "GB/s (%.2f GB/s to disk), %d of %d steps raw: %s", self.rank.tag, rates["forward_waited_s"],
+                    rates["produced_gbps"], rates["written_gbps"], rates["to_disk_gbps"], n_raw, n, why)
 
     def _drop(self, step: int, meta: Dict[str, Any]) -> None:
         self._count("steps_dropped")
@@ -226,8 +270,15 @@ class ShardWriter:
         if torch.cuda.is_available() and sizes:
             self._stager.prewarm_async(sizes)
 
+    def _codec_now(self) -> str:
+        """The configured codec, or raw while over half the in-flight budget waits (on_backlog)."""
+        if self.cfg.on_backlog == "raw" and self.cfg.codec != "raw" and self._budget.used * 2 > self._budget.limit:
+            return "raw"
+        return self.cfg.codec
+
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
         staged.ready()
+        codec = self._codec_now()
         written: Dict[str, Dict[str, Any]] = {}
         raw_total = file_total = 0
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
@@ -245,7 +296,7 @@ class ShardWriter:
             path = os.path.join(self.run_dir, rel)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             dirs.add(os.path.dirname(path))
-            chunks = fmt.encode_file(tensors, {**common, "part": part}, self.cfg.codec, self.cfg.level)
+            chunks = fmt.encode_file(tensors, {**common, "part": part}, codec, self.cfg.level)
             try:
                 size = files.atomic_write(path, chunks, self.cfg.fsync)
             except BaseException:
@@ -264,6 +315,7 @@ class ShardWriter:
             raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
+            self.stats["steps_written_raw"] += codec != self.cfg.codec
             self.stats["tokens_written"] += int(meta.get("num_tokens", 0))
             self.stats["raw_bytes"] += raw_total
             self.stats["file_bytes"] += file_total

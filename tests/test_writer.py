@@ -46,9 +46,11 @@ class Gate:
 
     def __init__(self, monkeypatch):
         self.open = threading.Event()
+        self.entered = threading.Event()  # a write is being held
         real = files_mod.atomic_write
 
         def slow(path, chunks, fsync):
+            self.entered.set()
             self.open.wait(30)
             return real(path, chunks, fsync)
 
@@ -184,3 +186,73 @@ def test_atomic_write_removes_its_temp_file_on_error(tmp_path):
     with pytest.raises(Exception):
         files_mod.atomic_write(str(target), [b"ok", Boom()], fsync=True)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_writer_behind_writes_raw_until_it_catches_up_and_keeps_every_byte(tmp_path, monkeypatch):
+    """Compression slower than the producer: over half the budget waiting, steps go raw (no
+    forward held while raw writes keep up); every step decodes to the exact bytes submitted."""
+    from hs_capture import codec as codec_mod
+
+    real = codec_mod.encode_bytegroup
+
+    def slow(*a, **kw):
+        time.sleep(0.05)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(codec_mod, "encode_bytegroup", slow)
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 200)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 4.5), writer_threads=1)
+    sent = []
+    for k in range(24):
+        meta, t = step(f"r{k}", 200)
+        sent.append(t)
+        assert w.submit(meta, t, aux_layers=[1, 2])
+    assert w.close()
+    assert 0 < w.stats["steps_written_raw"] < 24 and w.stats["steps_written"] == 24
+    run = open_runs(str(tmp_path))[0]
+    codecs = set()
+    for line in index_lines(w):
+        from hs_capture import format as fmt
+
+        for part, f in line["files"].items():
+            with open(os.path.join(run.path, f["path"]), "rb") as fh:
+                codecs.add(fmt.read_header(fh, os.fstat(fh.fileno()).st_size).tensors["hidden"].codec)
+    assert codecs == {"raw", "bytegroup"}
+    got = stitch(run)
+    for k, t in enumerate(sent):
+        s = got[f"r{k}"]
+        assert torch.equal(torch.from_numpy(s.final.copy()), t["final"])
+        assert torch.equal(torch.from_numpy(s.layers[2].copy()), t["aux"][:, H:])
+
+
+@pytest.mark.parametrize("policy,raw_steps", [("off", 0), ("raw", 1)])
+def test_the_backlog_policy_decides_whether_a_waiting_step_goes_raw(tmp_path, monkeypatch, policy, raw_steps):
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 200)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 4.5), writer_threads=1, on_backlog=policy)
+    gate = Gate(monkeypatch)
+    w.submit(*step("r0", 200), aux_layers=[1, 2])
+    assert gate.entered.wait(10)  # r0 was encoded with 1 step in flight; its write is held
+    for k in range(1, 4):
+        w.submit(*step(f"r{k}", 200), aux_layers=[1, 2])
+    gate.open.set()
+    assert w.close()
+    # r1 starts with 3 steps in flight of a 4.5-step budget (over half), r2 with 2, r3 with 1
+    assert w.stats["steps_written"] == 4 and w.stats["steps_written_raw"] == raw_steps
+
+
+def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, monkeypatch, caplog):
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 2000)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 1.5), writer_threads=1)
+    real = files_mod.atomic_write
+    monkeypatch.setattr(files_mod, "atomic_write", lambda p, c, f: (time.sleep(0.25), real(p, c, f))[1])
+    monkeypatch.setattr(writer_mod, "_DISK_BOUND_AFTER_S", 0.3)
+    logged = []
+    monkeypatch.setattr(writer_mod.log, "warning", lambda msg, *a: logged.append(msg % a))
+    for k in range(5):
+        w.submit(*step(f"r{k}", 2000), aux_layers=[1, 2])
+    assert w.close()
+    said = [m for m in logged if "cannot keep up" in m]
+    assert len(said) == 1 and "GB/s" in said[0] and "the disk is the limit" in said[0]
+    with open(rank_meta_path(w.run_dir, w.rank)) as f:
+        meta = json.load(f)
+    assert meta["disk_bound"]["produced_gbps"] > 0 and meta["stats"]["steps_written"] == 5
