@@ -2,7 +2,8 @@
 realistic shape: H = 7168, 3 captured layers + final, bf16 with LLM-like outlier channels,
 mixed sample lengths batched into 8192-token steps, written by the real ShardWriter.
 
-usage: python benchmarks/merge.py [--steps 8] [--jobs 1 2] [--out FILE]
+usage: python benchmarks/merge.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR] [--out FILE]
+(--dir: where the dump and outputs go, e.g. /dev/shm to take the disk out of the figure)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from hs_capture.writer import ShardWriter  # noqa: E402
 H, LAYERS, STEP = 7168, [2, 30, 58], 8192
 
 
-def synthetic_dump(root: str, steps: int, seed: int = 0) -> int:
+def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP) -> int:
     """Returns the number of samples. Lengths 64..4096, packed into steps like SGLang's
     chunked prefill (a sample may continue in the next step)."""
     g = torch.Generator().manual_seed(seed)
@@ -43,21 +44,22 @@ def synthetic_dump(root: str, steps: int, seed: int = 0) -> int:
     rid, left, pos = 0, rng.randrange(64, 4096), 0
     for _ in range(steps):
         seqs, t = [], 0
-        while t < STEP:
-            n = min(left, STEP - t)
+        while t < step_tokens:
+            n = min(left, step_tokens - t)
             seqs.append({"rid": f"s{rid}", "len": n, "prefix": pos, "offset": t})
             t, left, pos = t + n, left - n, pos + n
             if left == 0:
                 rid, left, pos = rid + 1, rng.randrange(64, 4096), 0
 
         def states(k):
-            x = torch.randn(STEP, k * H, generator=g)
-            x.view(STEP, k, H)[:, :, outliers] *= 50
+            x = torch.randn(step_tokens, k * H, generator=g)
+            x.view(step_tokens, k, H)[:, :, outliers] *= 50
             return x.to(torch.bfloat16)
 
-        tensors = {"aux": states(3), "final": states(1), "tokens": torch.randint(0, 100000, (STEP,), generator=g),
+        tensors = {"aux": states(3), "final": states(1),
+                   "tokens": torch.randint(0, 100000, (step_tokens,), generator=g),
                    "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
-        w.submit({"mode": "EXTEND", "num_tokens": STEP, "seqs": seqs}, tensors, aux_layers=LAYERS)
+        w.submit({"mode": "EXTEND", "num_tokens": step_tokens, "seqs": seqs}, tensors, aux_layers=LAYERS)
     w.close()
     return rid  # whole samples (the last, unfinished one is incomplete: merge skips it)
 
@@ -83,30 +85,37 @@ def run_hscap(*args: str) -> Tuple[dict, int, float, int]:
     return json.loads(p.stdout.strip().splitlines()[-1]), p.returncode, wall, peak
 
 
+def dump_bytes(dump: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(dump) for n in ns)
+
+
 def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
     summary, rc, wall, peak = run_hscap("merge", dump, "-o", out, "--format", fmt, "-j", str(jobs),
                                         "--cache-mb", "1024")
     assert rc == 0, summary
     return {"format": fmt, "jobs": jobs, "samples": summary["written"], "raw_GB": round(summary["raw_bytes"] / 1e9, 3),
             "wall_s": round(wall, 2), "GBps_raw": round(summary["raw_bytes"] / 1e9 / wall, 3),
-            "bytes_in_GB": round(summary["bytes_in"] / 1e9, 3), "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3),
-            "peak_rss_MB_per_process": peak}
+            "bytes_in_GB": round(summary["bytes_in"] / 1e9, 3),
+            "read_amplification": round(summary["bytes_in"] / dump_bytes(dump), 3),
+            "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3), "peak_rss_MB_per_process": peak}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--step-tokens", type=int, default=STEP)
+    p.add_argument("--dir", default=None)
     p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--formats", nargs="+", default=["specforge", "hscap"])
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "merge.results.json"))
     a = p.parse_args()
-    work = tempfile.mkdtemp(prefix="hscap-merge-bench-")
+    work = tempfile.mkdtemp(prefix="hscap-merge-bench-", dir=a.dir)
     try:
         dump = os.path.join(work, "dump")
         t0 = time.perf_counter()
-        samples = synthetic_dump(dump, a.steps)
+        samples = synthetic_dump(dump, a.steps, step_tokens=a.step_tokens)
         made = time.perf_counter() - t0
-        dump_bytes = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(dump) for n in ns)
+        size = dump_bytes(dump)
         results = []
         for fmt in a.formats:
             for jobs in a.jobs:
@@ -116,9 +125,10 @@ def main() -> None:
                 print(json.dumps(res), flush=True)
                 shutil.rmtree(out)
         doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
-               "dump": f"{a.steps} steps x {STEP} tokens, H={H}, layers {LAYERS} + final, bf16 with outlier "
+               "dir": a.dir or tempfile.gettempdir(),
+               "dump": f"{a.steps} steps x {a.step_tokens} tokens, H={H}, layers {LAYERS} + final, bf16 with outlier "
                        f"channels, {samples} whole samples of 64..4095 tokens, bytegroup level 1; "
-                       f"{dump_bytes / 1e9:.2f} GB on disk, written in {made:.1f}s",
+                       f"{size / 1e9:.2f} GB on disk, written in {made:.1f}s",
                "results": results}
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -2,7 +2,7 @@
 synthetic dump as benchmarks/merge.py (H = 7168, 3 layers + final, bf16, 8192-token steps):
 full decode at -j 1 and -j 2, and a --sample pass.
 
-usage: python benchmarks/verify.py [--steps 8] [--out FILE]
+usage: python benchmarks/verify.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ sys.path.insert(0, HERE)
 from merge import H, STEP, run_hscap, synthetic_dump  # noqa: E402
 
 
-def run_verify(dump: str, *args: str) -> dict:
+def run_verify(dump: str, step_tokens: int, *args: str) -> dict:
     doc, rc, wall, peak = run_hscap("verify", dump, *args)
     st = doc["stats"]
-    raw = st["steps_decoded"] * STEP * H * 4 * 2  # 3 layers + final, bf16
+    raw = st["steps_decoded"] * step_tokens * H * 4 * 2  # 3 layers + final, bf16
     return {"args": " ".join(args), "ok": doc["ok"], "exit": rc, "steps_decoded": st["steps_decoded"],
             "raw_GB": round(raw / 1e9, 3), "file_GB": round(st["bytes_read"] / 1e9, 3), "wall_s": round(wall, 2),
             "GBps_raw": round(raw / 1e9 / wall, 3), "peak_rss_MB": peak}
@@ -34,19 +34,23 @@ def run_verify(dump: str, *args: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--step-tokens", type=int, default=STEP)
+    p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--dir", default=None)
     p.add_argument("--out", default=os.path.join(HERE, "verify.results.json"))
     a = p.parse_args()
-    work = tempfile.mkdtemp(prefix="hscap-verify-bench-")
+    work = tempfile.mkdtemp(prefix="hscap-verify-bench-", dir=a.dir)
     try:
         dump = os.path.join(work, "dump")
-        samples = synthetic_dump(dump, a.steps)
+        samples = synthetic_dump(dump, a.steps, step_tokens=a.step_tokens)
         results = []
-        for args in (["-j", "1"], ["-j", "2"], ["-j", "2", "--sample", "2"]):
-            res = run_verify(dump, *args)
+        for args in [["-j", str(j)] for j in a.jobs] + [["-j", str(a.jobs[-1]), "--sample", "2"]]:
+            res = run_verify(dump, a.step_tokens, *args)
             results.append(res)
             print(json.dumps(res), flush=True)
         doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
-               "dump": f"{a.steps} steps x {STEP} tokens, H={H}, 3 layers + final, bf16 with outlier channels, "
+               "dir": a.dir or tempfile.gettempdir(),
+               "dump": f"{a.steps} steps x {a.step_tokens} tokens, H={H}, 3 layers + final, bf16 with outlier channels, "
                        f"{samples} whole samples, bytegroup level 1 (benchmarks/merge.py's synthetic_dump)",
                "note": "peak_rss_MB: VmHWM of the verify process, reset at its start",
                "results": results}

@@ -210,8 +210,9 @@ def parse(data, itemsize: int) -> Tuple[int, int, List[Tuple[int, int, int]]]:
     return transform, rows, out
 
 
-def decode(data, nbytes: int, itemsize: int, unzstd: Callable) -> memoryview:
-    """unzstd(frame, size) decodes one zstd frame that must declare exactly `size` bytes."""
+def decode(data, nbytes: int, itemsize: int, unzstd: Callable) -> Tuple[memoryview, int]:
+    """The raw bytes and their crc32 (taken block by block while in cache). unzstd(frame,
+    size) decodes one zstd frame that must declare exactly `size` bytes."""
     if itemsize not in _UINT or nbytes % itemsize:
         raise BytegroupError(f"{nbytes} bytes are not whole {itemsize}-byte floats")
     count = nbytes // itemsize
@@ -228,7 +229,7 @@ def decode(data, nbytes: int, itemsize: int, unzstd: Callable) -> memoryview:
             raise BytegroupError(f"bytegroup chunk {j} holds {len(chunk)} bytes, expected {want}")
         chunks.append(np.frombuffer(chunk, dtype=np.uint8))
     if not count:
-        return memoryview(b"")
+        return memoryview(b""), 0
     planes = chunks[-itemsize:]
     uint, bits = _UINT[itemsize], itemsize * 8
     out = np.empty(count, dtype=uint)
@@ -236,6 +237,7 @@ def decode(data, nbytes: int, itemsize: int, unzstd: Callable) -> memoryview:
     step = max(1, _BLOCK // (per_row * itemsize))
     top = np.empty(min(step, rows) * per_row, dtype=np.uint8)
     spare = np.empty(len(top), dtype=uint)
+    crc = 0
     for a in range(0, rows, step):  # block by block, in cache
         lo, hi = a * per_row, min(rows, a + step) * per_row
         w, n = out[lo:hi], hi - lo
@@ -251,4 +253,5 @@ def decode(data, nbytes: int, itemsize: int, unzstd: Callable) -> memoryview:
             np.right_shift(w, 1, out=spare[:n])
             np.left_shift(w, bits - 1, out=w)
             np.bitwise_or(w, spare[:n], out=w)
-    return memoryview(out).cast("B")
+        crc = zlib.crc32(w, crc)
+    return memoryview(out).cast("B"), crc

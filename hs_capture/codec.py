@@ -8,6 +8,7 @@ one per thread.
 from __future__ import annotations
 
 import threading
+import zlib
 from typing import List, Tuple
 
 CODECS = ("raw", "zstd", "bytegroup")
@@ -117,12 +118,18 @@ def encode(raw, codec: str, level: int, itemsize: int, dtype: str = "", row_byte
 
 
 def decode(data: bytes, codec: str, nbytes: int, itemsize: int) -> bytes:
+    return decode_checked(data, codec, nbytes, itemsize)[0]
+
+
+def decode_checked(data: bytes, codec: str, nbytes: int, itemsize: int) -> Tuple[bytes, int]:
+    """The raw bytes and their crc32 (bytegroup takes it while each block is in cache)."""
     if codec == "raw":
         if len(data) != nbytes:
             raise SizeMismatch(f"raw payload is {len(data)} bytes, header says {nbytes}")
-        return data
+        return data, zlib.crc32(data)
     if codec == "zstd":
-        return _zstd_decode(data, nbytes)
+        raw = _zstd_decode(data, nbytes)
+        return raw, zlib.crc32(raw)
     if codec == "bytegroup":
         from . import bytegroup
 
@@ -131,5 +138,3 @@ def decode(data: bytes, codec: str, nbytes: int, itemsize: int) -> bytes:
         except bytegroup.BytegroupError as e:
             raise CodecError(str(e)) from None
     raise CodecError(f"unknown codec {codec!r}")
-
-

@@ -282,8 +282,8 @@ def read_tensor_bytes(f: BinaryIO, header: Header, name: str) -> bytes:
         raise TensorInvalidInfo(f"no tensor named {name!r}") from None
     f.seek(header.payload_start + e.begin)
     data = f.read(e.end - e.begin)
-    raw = decode_payload(data, e.codec, e.nbytes, ITEMSIZE[e.dtype])
-    if zlib.crc32(raw) != e.crc32:
+    raw, crc = _codec.decode_checked(data, e.codec, e.nbytes, ITEMSIZE[e.dtype])
+    if crc != e.crc32:
         raise ChecksumMismatch(f"{name}: crc32 of the decoded bytes does not match the header")
     return raw
 

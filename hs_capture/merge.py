@@ -2,8 +2,9 @@
 
 Rows: a sample's row is its place in the dataset (with --dataset) or in rid order, fixed
 before any sharding, so `--shard i/N` merges on N machines produce disjoint, consistent
-files. Work order: by first step, so samples that share steps are cut from one decode.
-A file that exists is done (writes are atomic); leftover temp files are removed first.
+files. Work order: by the step that ends each sample, cut into one contiguous run per
+worker, so every step is decoded about once whatever -j (see "work order" below). A file
+that exists is done (writes are atomic); leftover temp files are removed first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from .assemble import Assembler, Plan, plan
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
+from .heap import keep_large_buffers
 from .inputs import BadLine, Inputs, load_inputs
 from .layout import MERGE_REPORT, TEMP_MARK
 from .reader import DumpError, first_mismatch
@@ -80,50 +82,93 @@ def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeRe
     return s, loss_mask
 
 
-def _work_shard(args) -> MergeResult:
-    """Native format: one packed shard file per batch of rows."""
-    p, path, items, ds, cache_bytes = args
-    asm = Assembler(p, cache_bytes)
-    res = MergeResult(native.FORMAT.name)
-    if os.path.exists(path):
-        res.skipped_existing += len(items)
-        return res
-    packed = []
-    for row, rid in sorted(items, key=lambda it: (p.samples[it[1]][0].run, p.samples[it[1]][0].step)):
-        got = _checked_sample(asm, rid, ds, res)
-        if got is not None:
-            packed.append((row, got[0], got[1]))
-            res.written += 1
-            res.tokens += len(got[0].input_ids)
-            res.raw_bytes += got[0].raw_bytes
-    if packed:
-        res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
-    res.bytes_in = asm.bytes_read
-    return res
+# ----------------------------------------------------------------- work order
+# Samples are taken in the order of the step that ends them, so a worker walks the dump's
+# steps once: under chunked prefill a sample continues into the next step, and the samples
+# of one step form a chain with their neighbours. A run of that order is one worker's; only
+# the step where two runs meet is decoded twice, so the dump is read about once whatever -j.
+Item = Tuple[int, str]  # (row, rid)
 
 
-def _shard_batches(p: Plan, rows: List[Tuple[int, str]]) -> List[List[Tuple[int, str]]]:
-    """Consecutive rows, cut when a shard would pass SHARD_RAW_BYTES (sizes from the plan)."""
-    per_token = p.hidden_size * (len(p.layers) + 1 + p.prenorm) * 4  # float32 worst case
-    batches: List[List[Tuple[int, str]]] = [[]]
-    size = 0
-    for item in rows:
-        n = sum(pc.length for pc in p.samples[item[1]]) * per_token
-        if batches[-1] and size + n > SHARD_RAW_BYTES:
-            batches.append([])
+def _step_order(p: Plan, items: List[Item]) -> List[Item]:
+    def key(item: Item):
+        pcs = p.samples[item[1]]
+        return (pcs[-1].run, pcs[-1].rank, pcs[-1].step, pcs[0].run, pcs[0].rank, pcs[0].step, item[0])
+
+    return sorted(items, key=key)
+
+
+def _raw_size(p: Plan, rid: str) -> int:
+    """A sample's decoded bytes, float32 worst case (sizes from the plan: nothing read)."""
+    return sum(pc.length for pc in p.samples[rid]) * p.hidden_size * (len(p.layers) + 1 + p.prenorm) * 4
+
+
+def _cut(p: Plan, items: List[Item], target: float) -> List[List[Item]]:
+    """Consecutive runs of step-ordered items of about `target` bytes, cut only between
+    samples that end in different steps (a step's samples share its decode)."""
+    runs: List[List[Item]] = [[]]
+    size, last = 0, None
+    for item in items:
+        pc = p.samples[item[1]][-1]
+        end = (pc.run, pc.rank, pc.step)
+        if runs[-1] and size >= target and end != last:
+            runs.append([])
             size = 0
-        batches[-1].append(item)
-        size += n
-    return [b for b in batches if b]
+        runs[-1].append(item)
+        size += _raw_size(p, item[1])
+        last = end
+    return [r for r in runs if r]
 
 
-def _work(args) -> MergeResult:
-    p, items, out_dir, fmt_name, ds, cache_bytes = args
-    f = FORMATS[fmt_name]
-    asm = Assembler(p, cache_bytes)
-    res = MergeResult(fmt_name)
+def _balanced(p: Plan, items: List[Item], parts: int) -> List[List[Item]]:
+    """`parts` contiguous runs of about equal bytes (fewer when there is less to share)."""
+    total = sum(_raw_size(p, rid) for _, rid in items)
+    return _cut(p, items, total / max(1, parts))
+
+
+def _group(seq: List, parts: int, size: Callable[[object], int]) -> List[List]:
+    """`parts` contiguous groups of `seq` of about equal size (fewer when there is less)."""
+    target = sum(size(x) for x in seq) / max(1, parts)
+    groups: List[List] = [[]]
+    have = 0
+    for x in seq:
+        if groups[-1] and have >= target:
+            groups.append([])
+            have = 0
+        groups[-1].append(x)
+        have += size(x)
+    return [g for g in groups if g]
+
+
+def _step_raw_bytes(p: Plan) -> int:
+    """The largest step's decoded bytes in 2-byte floats (bf16, what servers store)."""
+    tokens: Dict[Tuple[int, str, int], int] = {}
+    for pcs in p.samples.values():
+        for pc in pcs:
+            tokens[(pc.run, pc.rank, pc.step)] = tokens.get((pc.run, pc.rank, pc.step), 0) + pc.length
+    return max(tokens.values(), default=0) * p.hidden_size * (len(p.layers) + 1 + p.prenorm) * 2
+
+
+# ----------------------------------------------------------------- workers
+# What every task of a worker process shares, set once by _init (the plan is large: it is
+# sent to each process once, not with every task), and its Assembler, whose cache carries
+# over from one task to the next.
+_W: Dict[str, object] = {}
+
+
+def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_bytes: int) -> None:
+    keep_large_buffers()
+    _W.update(plan=p, out_dir=out_dir, fmt=fmt_name, ds=ds, asm=Assembler(p, cache_bytes))
+
+
+def _work_files(items: List[Item]) -> MergeResult:
+    """One file per sample (every format but the native one); a file that exists is done."""
+    asm, ds = _W["asm"], _W["ds"]
+    f = FORMATS[_W["fmt"]]
+    res = MergeResult(f.name)
+    read0 = asm.bytes_read
     for row, rid in items:
-        path = os.path.join(out_dir, f.file_name(rid, row))
+        path = os.path.join(_W["out_dir"], f.file_name(rid, row))
         if os.path.exists(path):
             res.skipped_existing += 1
             continue
@@ -135,7 +180,30 @@ def _work(args) -> MergeResult:
         res.written += 1
         res.tokens += len(s.input_ids)
         res.raw_bytes += s.raw_bytes
-    res.bytes_in = asm.bytes_read
+    res.bytes_in = asm.bytes_read - read0
+    return res
+
+
+def _work_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
+    """Native format: packed shard files, each a fixed run of samples; one that exists is done."""
+    asm, ds = _W["asm"], _W["ds"]
+    res = MergeResult(native.FORMAT.name)
+    read0 = asm.bytes_read
+    for path, items in shards:
+        if os.path.exists(path):
+            res.skipped_existing += len(items)
+            continue
+        packed = []
+        for row, rid in items:
+            got = _checked_sample(asm, rid, ds, res)
+            if got is not None:
+                packed.append((row, got[0], got[1]))
+                res.written += 1
+                res.tokens += len(got[0].input_ids)
+                res.raw_bytes += got[0].raw_bytes
+        if packed:
+            res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
+    res.bytes_in = asm.bytes_read - read0
     return res
 
 
@@ -163,32 +231,40 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     i, n = shard
     rows = [(row, rid) for row, rid in _rows(p, ds) if row % n == i]
     mine = [(row, rid) for row, rid in rows if rid in p.samples]
-    first_step = {rid: (pc[0].run, pc[0].rank, pc[0].step) for rid, pc in p.samples.items()}
-    mine.sort(key=lambda item: first_step[item[1]])  # cache locality
     total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)",
                         shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
     total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
-    per_job = cache_bytes // max(1, jobs)
-    if packed:  # shard files hold fixed row batches, so a re-run finds them done
-        batches = _shard_batches(p, sorted(mine))
-        worker = _work_shard
-        args = [(p, os.path.join(out_dir, native.shard_name(i, n, k)), b, ds, per_job) for k, b in enumerate(batches)]
+    mine = _step_order(p, mine)
+    # each worker's cache holds at least the steps one sample crosses (a few full steps)
+    per_job = max(cache_bytes // max(1, jobs), 2 * _step_raw_bytes(p))
+    if packed:
+        # shards are cut from the step order by size alone (never by -j): a re-run with any
+        # -j finds the same shards, and skips those that exist
+        shards = [(os.path.join(out_dir, native.shard_name(i, n, k)), b)
+                  for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
+        worker, tasks = _work_shards, _group(shards, jobs, lambda sh: sum(_raw_size(p, rid) for _, rid in sh[1]))
     else:
-        # contiguous runs of the step-ordered list per batch: samples that share a step stay
-        # in one process and its cache (with -j 1, small batches only pace the progress line)
-        chunk = 64 if jobs <= 1 else max(1, -(-len(mine) // jobs))
-        worker = _work
-        args = [(p, mine[k:k + chunk], out_dir, fmt_name, ds, per_job) for k in range(0, len(mine), chunk)]
+        worker = _work_files
+        # one process: small runs only pace the progress line (its cache carries over)
+        tasks = _cut(p, mine, 0) if jobs <= 1 else _balanced(p, mine, jobs)
+        if jobs <= 1:
+            tasks = [sum(tasks[k:k + 8], []) for k in range(0, len(tasks), 8)]
+    init = (p, out_dir, fmt_name, ds, per_job)
     if jobs <= 1:
-        for r in map(worker, args):
-            total.add(r)
-            if on_progress:
-                on_progress(total, len(mine))
+        _init(*init)
+        try:
+            for r in map(worker, tasks):
+                total.add(r)
+                if on_progress:
+                    on_progress(total, len(mine))
+        finally:
+            _W.clear()
     else:
         # spawn, not fork: a forked torch process with live threads can deadlock
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for r in pool.map(worker, args):
+        with ProcessPoolExecutor(min(jobs, max(1, len(tasks))), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_init, initargs=init) as pool:
+            for r in pool.map(worker, tasks):
                 total.add(r)
                 if on_progress:
                     on_progress(total, len(mine))

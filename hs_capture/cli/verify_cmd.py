@@ -60,7 +60,10 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
     dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
     from ..inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
+    from ..heap import keep_large_buffers
     from ..verify import verify
+
+    keep_large_buffers()  # decoded steps reuse the heap instead of faulting fresh pages in
 
     ids, order = None, None
     if dataset:
