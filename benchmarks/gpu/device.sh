@@ -7,6 +7,8 @@
 #            it outlives the call while the machine stays warm)
 #   call 2, carry [".gpu-bundle/b1"], made at once (a machine goes back 30 s after a call):
 #            bash benchmarks/gpu/device.sh run [benchmarks/gpu/server.py options]
+# The offline benchmarks (no sglang) need one call, carry [".gpu-bundle/b3"] (hs_capture's own
+# wheels, bin/gpu_bundle.sh):  bash benchmarks/gpu/device.sh offline python3 benchmarks/...
 set -euo pipefail
 ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
@@ -42,7 +44,16 @@ run)
   export TRITON_CACHE_DIR=$ROOT/cache/triton TVM_FFI_CACHE_DIR=$ROOT/cache/tvm FLASHINFER_WORKSPACE_BASE=$ROOT/cache
   python3 benchmarks/gpu/server.py --root "$ROOT" "$@"
   ;;
+offline)
+  mkdir -p "$ROOT/offline"
+  for w in .gpu-bundle/b3/*.whl; do
+    case "$w" in *numpy-*) python3 -c "import numpy" 2>/dev/null && continue;; esac
+    python3 -c "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$w" "$ROOT/offline"
+  done
+  export PYTHONPATH="$ROOT/offline:$PWD" PYTHONUNBUFFERED=1
+  "$@"
+  ;;
 *)
-  echo "usage: $0 stage | run [server.py options]" >&2; exit 2
+  echo "usage: $0 stage | run [server.py options] | offline COMMAND..." >&2; exit 2
   ;;
 esac
