@@ -11,7 +11,12 @@ from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 
 class BadLine(ValueError):
-    """A dataset line that cannot be sent; the message names the line."""
+    """A dataset line that cannot be sent; the message names the line, `id` is the line's id
+    when it could be read."""
+
+    def __init__(self, message: str, sid: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.id = sid
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,14 @@ def load_inputs(path: str) -> Inputs:
     out = Inputs({}, {}, [])
     for n, sample, error in read_inputs(path):
         if error is not None:
-            raise BadLine(f"{path}: {error}")
+            raise BadLine(f"{path}: {error}", error.id)
         out.ids[sample.id] = sample.input_ids
         out.masks[sample.id] = sample.loss_mask
         out.order.append(sample.id)
     return out
 
 
-def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[str]]]:
+def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[BadLine]]]:
     """Yield (line number, sample or None, error or None) for every non-blank line."""
     seen: Set[str] = set()
     with open(path, "rb") as f:
@@ -53,11 +58,11 @@ def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optiona
             try:
                 sample = parse_line(raw, n)
                 if sample.id in seen:
-                    raise BadLine(f"line {n}: duplicate id {sample.id!r}")
+                    raise BadLine(f"line {n}: duplicate id {sample.id!r}", sample.id)
                 seen.add(sample.id)
                 yield n, sample, None
             except BadLine as e:
-                yield n, None, str(e)
+                yield n, None, e
 
 
 def parse_line(raw: bytes, n: int) -> InputSample:
@@ -72,9 +77,9 @@ def parse_line(raw: bytes, n: int) -> InputSample:
         raise BadLine(f"line {n}: 'id' must be a non-empty string or integer")
     ids = obj.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadLine(f"line {n}: 'input_ids' must be a non-empty list of non-negative integers")
+        raise BadLine(f"line {n}: 'input_ids' must be a non-empty list of non-negative integers", str(sid))
     mask = obj.get("loss_mask")
     if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)
                              or not all(m in (0, 1) for m in mask)):
-        raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id")
+        raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id", str(sid))
     return InputSample(n, str(sid), ids, mask)

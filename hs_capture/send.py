@@ -14,7 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Set, Tuple
 
-from .inputs import InputSample
+from .inputs import BadLine, InputSample
 
 
 class ServerError(Exception):
@@ -69,7 +69,7 @@ def send_one(url: str, sample: InputSample, retries: int, timeout: float, backof
     return "unreachable", retries
 
 
-def run(url: str, samples: Iterator[Tuple[int, Optional[InputSample], Optional[str]]], *, concurrency: int,
+def run(url: str, samples: Iterator[Tuple[int, Optional[InputSample], Optional[BadLine]]], *, concurrency: int,
         retries: int, timeout: float, backoff: float, skip: Callable[[InputSample], bool],
         on_failure: Callable[[dict], None], on_progress: Callable[[SendStats], None],
         stop_on_bad_line: bool) -> SendStats:
@@ -96,7 +96,7 @@ def run(url: str, samples: Iterator[Tuple[int, Optional[InputSample], Optional[s
             if error is not None:
                 with lock:
                     stats.bad_lines += 1
-                    on_failure({"id": None, "line": n, "error": error})
+                    on_failure({"id": error.id, "line": n, "error": str(error)})
                 if stop_on_bad_line:
                     stop.set()
                     break

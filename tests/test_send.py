@@ -84,10 +84,21 @@ def test_malformed_lines_are_named_and_skipped(tmp_path, flaky):
     finally:
         FlakyHandler.fail = 2
     assert res.exit_code == 1 and "Traceback" not in res.output
-    lines = [json.loads(x)["line"] for x in (tmp_path / "f.jsonl").read_text().splitlines()]
-    assert lines == [2, 3, 4, 5, 6, 7, 8, 9]  # 9: the duplicate id
+    entries = [json.loads(x) for x in (tmp_path / "f.jsonl").read_text().splitlines()]
+    assert [e["line"] for e in entries] == [2, 3, 4, 5, 6, 7, 8, 9]  # 9: the duplicate id
+    # the id is recorded wherever the line had a readable one
+    assert [e["id"] for e in entries] == [None, None, "x", "y", "z", None, None, "ok1"]
     assert "line 2: not JSON" in res.output and "line 9: duplicate id 'ok1'" in res.output
     assert sorted(b["rid"] for b in FlakyHandler.seen) == ["ok1", "ok2"]
+
+
+def test_a_dry_run_sends_nothing_and_writes_no_failures_file(tmp_path, flaky):
+    ds = write(tmp_path / "d.jsonl", [{"id": "a", "input_ids": [5, 6]}, "{not json"])
+    fails = tmp_path / "f.jsonl"
+    res = invoke(ds, "--url", flaky, "--dry-run", "--json", "--failures", str(fails))
+    summary = json.loads(res.output)
+    assert summary["would_send"] == 1 and summary["bad_lines"] == 1 and res.exit_code == 1
+    assert "samples_per_s" not in summary and not fails.exists() and FlakyHandler.seen == []
 
 
 def test_stop_on_bad_line_sends_nothing_after_it(tmp_path, flaky):

@@ -29,7 +29,7 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
               help="The JSONL sent: loss masks joined by id, token ids checked; only its ids are merged.")
 @click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")
-@click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row %% N == i.")
+@click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row % N == i.")
 @click.option("--cache-mb", default=2048, show_default=True, type=click.IntRange(16),
               help="Decoded step data kept in memory (all workers together).")
 @QUIET

@@ -67,7 +67,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
         for n, sample, error in read_inputs(dataset):
             if error is not None:
                 stats.bad_lines += 1
-                on_failure({"id": None, "line": n, "error": error})
+                on_failure({"id": error.id, "line": n, "error": str(error)})
                 if on_bad_line == "stop":
                     stats.stopped = True
                     break
@@ -81,13 +81,14 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
                            timeout=timeout, backoff=backoff, skip=skip, on_failure=on_failure,
                            on_progress=on_progress, stop_on_bad_line=on_bad_line == "stop")
     progress.close()
-    _write_failures(failures_path, failures)
-    sps, tps = stats.rate()
     summary = {"sent" if not dry_run else "would_send": stats.sent, "tokens": stats.tokens,
-               "skipped_already_captured": stats.skipped_captured, "bad_lines": stats.bad_lines,
-               "failed": stats.failed, "retries": stats.retries, "stopped_at_bad_line": stats.stopped,
-               "samples_per_s": round(sps, 2), "tokens_per_s": round(tps, 1),
-               "failures_file": failures_path if failures else None}
+               "skipped_already_captured": stats.skipped_captured, "bad_lines": stats.bad_lines}
+    if not dry_run:  # a dry run sends nothing: no rates, and no failures file (the lines are printed)
+        _write_failures(failures_path, failures)
+        sps, tps = stats.rate()
+        summary.update(failed=stats.failed, retries=stats.retries, samples_per_s=round(sps, 2),
+                       tokens_per_s=round(tps, 1), failures_file=failures_path if failures else None)
+    summary["stopped_at_bad_line"] = stats.stopped
     if as_json:
         emit_json(summary)
     elif not quiet:
