@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .assemble import Assembler, Plan, plan
+from .attribution import unattributed, warmups
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
 from .heap import keep_large_buffers
@@ -51,6 +52,10 @@ class MergeResult:
     # rid -> pieces captured again (a retry, a re-send) beside the whole capture that was
     # written: a warning, never a reason to leave a sample out
     recaptured: Dict[str, int] = field(default_factory=dict)
+    # without --dataset: rid -> why it is not a user's (SGLang's warmup), never written; and the
+    # samples written whose id SGLang generated (attribution.py)
+    left_out: Dict[str, str] = field(default_factory=dict)
+    unattributed: List[str] = field(default_factory=list)
 
     def add(self, other: "MergeResult") -> None:
         for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
@@ -219,6 +224,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     except BadLine as e:
         raise MergeError(str(e)) from None
     p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
+    left_out = warmups(p) if ds is None else {}
+    for rid in left_out:  # not a user request: not a row either
+        del p.samples[rid]
     problem = training_format.problem(p.prenorm, p.layers)
     if problem:
         raise MergeError(problem)
@@ -235,6 +243,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
                         shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
     total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
+    total.left_out.update(left_out)
+    in_shard = {rid for _, rid in rows}
+    total.unattributed = [rid for rid in unattributed(p, left_out) if rid in in_shard] if ds is None else []
     mine = _step_order(p, mine)
     # each worker's cache holds at least the steps one sample crosses (a few full steps)
     per_job = max(cache_bytes // max(1, jobs), 2 * _step_raw_bytes(p))

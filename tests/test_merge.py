@@ -149,6 +149,26 @@ def test_incomplete_samples_are_listed_never_written(dump, tmp_path):
     assert len([n for n in os.listdir(out) if n.endswith(".ckpt")]) == len(rows) - 3
 
 
+def test_without_a_dataset_sglangs_warmup_is_left_out_and_said(dump, tmp_path):
+    """The fixture's server ran without the launcher, so SGLang's startup warmup (ids [10, 11,
+    12], a generated rid) was captured: merge without --dataset must not make it a sample."""
+    from hs_capture.assemble import plan
+
+    p = plan([dump["dir"]])
+    warm = [rid for rid, pcs in p.samples.items() if rid not in {r["id"] for r in dump["rows"]}]
+    assert len(warm) == 1  # the dump does hold it
+    out = str(tmp_path / "nods")
+    res = CliRunner().invoke(main, ["merge", dump["dir"], "-o", out, "--format", "specforge"])
+    assert res.exit_code == 0, res.output
+    assert f"left out '{warm[0]}': SGLang's startup warmup" in res.output
+    report = json.load(open(os.path.join(out, "merge_report.json")))
+    assert list(report["left_out"]) == warm and report["written"] == len(dump["rows"])
+    assert report["unattributed"] == []
+    ids = {tuple(torch.load(os.path.join(out, n), weights_only=True)["input_ids"].view(-1).tolist())
+           for n in os.listdir(out) if n.endswith(".ckpt")}
+    assert (10, 11, 12) not in ids and len(ids) == len(dump["rows"])
+
+
 def test_bad_merge_input_is_one_line(dump, tmp_path):
     res = CliRunner().invoke(main, ["merge", str(tmp_path), "-o", str(tmp_path / "o"), "--format", "specforge"])
     assert res.exit_code == 1 and "no hs_capture run found" in res.output and "Traceback" not in res.output

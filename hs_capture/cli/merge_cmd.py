@@ -55,7 +55,8 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     progress.close()
     summary = {"format": res.format, "shard": res.shard, "written": res.written,
                "skipped_existing": res.skipped_existing, "incomplete": len(res.incomplete),
-               "recaptured": len(res.recaptured), "tokens": res.tokens,
+               "recaptured": len(res.recaptured), "left_out": len(res.left_out),
+               "unattributed": len(res.unattributed), "tokens": res.tokens,
                "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
                "seconds": res.seconds, "loss_mask": res.loss_mask_source,
                "report": os.path.join(out_dir, REPORT)}
@@ -69,6 +70,12 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
             click.echo(f"hscap merge: skipped {rid!r}: {why}", err=True)
         if len(res.incomplete) > 20:
             click.echo(f"hscap merge: ... {len(res.incomplete) - 20} more in {summary['report']}", err=True)
+        for rid, why in sorted(res.left_out.items()):
+            click.echo(f"hscap merge: left out {rid!r}: {why}", err=True)
+        if res.unattributed:
+            click.echo(f"hscap merge: warning: {len(res.unattributed)} samples have ids SGLang generated (their "
+                       f"client sent no rid), e.g. {res.unattributed[0]!r}: written, but no dataset id names them "
+                       "(list in the report)", err=True)
         if res.recaptured:
             click.echo(f"hscap merge: warning: {len(res.recaptured)} samples were captured again in part (a retry or "
                        "a re-send); each was written from its whole capture (list in the report)", err=True)
