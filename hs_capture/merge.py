@@ -29,6 +29,7 @@ from .layout import MERGE_REPORT, TEMP_MARK
 from .reader import DumpError, first_mismatch
 
 REPORT = MERGE_REPORT
+SETTINGS = "trainer_settings.json"  # the trainer's settings that match the capture (formats' settings)
 SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
 
 
@@ -56,6 +57,7 @@ class MergeResult:
     # samples written whose id SGLang generated (attribution.py)
     left_out: Dict[str, str] = field(default_factory=dict)
     unattributed: List[str] = field(default_factory=list)
+    settings: Dict[str, object] = field(default_factory=dict)  # the trainer's, matching the capture
 
     def add(self, other: "MergeResult") -> None:
         for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
@@ -286,4 +288,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     # what verify --reference needs to map aux blocks back to layers
     report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
     atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)
+    if training_format.settings is not None:
+        real_mask = ds is not None and any(m is not None for m in ds.masks.values())
+        total.settings = training_format.settings(p.layers, real_mask)
+        doc = {"format": fmt_name, "captured_layers_entering": p.layers, "settings": total.settings}
+        atomic_write(os.path.join(out_dir, SETTINGS), [json.dumps(doc, indent=1).encode()], fsync=False)
     return total

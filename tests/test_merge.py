@@ -64,7 +64,11 @@ def test_specforge_samples_equal_transformers(dump, tiny_model, tmp_path):
 
 def test_modelopt_samples_load_weights_only_and_match(dump, tiny_model, tmp_path):
     out = str(tmp_path / "mo")
-    run_merge(dump["dir"], "-o", out, "--format", "modelopt", "--dataset", dump["data"])
+    summary = run_merge(dump["dir"], "-o", out, "--format", "modelopt", "--dataset", dump["data"])
+    # ModelOpt numbers a layer by its output (ours - 1); the dataset's masks need answer_only_loss
+    want = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in LAYERS], "answer_only_loss": True}
+    assert summary["settings"] == want
+    assert json.load(open(os.path.join(out, "trainer_settings.json")))["settings"] == want
     rows = by_rid(dump["rows"])
     names = [n for n in os.listdir(out) if n.endswith(".pt")]
     assert len(names) == len(rows)
@@ -84,7 +88,8 @@ def test_speculators_rows_hold_three_aux_and_the_prenorm_final(dump, tiny_model,
     from safetensors.torch import load_file  # the reader speculators uses
 
     out = str(tmp_path / "sp")
-    run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    summary = run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    assert summary["settings"] == {"target_layer_ids": LAYERS}  # speculators counts as we do
     for row, r in enumerate(dump["rows"]):  # rows follow the dataset order
         d = load_file(os.path.join(out, f"hs_{row}.safetensors"))
         t = len(r["input_ids"])
@@ -255,7 +260,8 @@ def test_speculators_own_checks_accept_the_output(dump, tmp_path):
 
     offline = _framework_module("speculators", "data_generation/offline.py", "speculators_offline")
     out = str(tmp_path / "sp")
-    run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    summary = run_merge(dump["dir"], "-o", out, "--format", "speculators", "--dataset", dump["data"])
+    assert summary["settings"] == {"target_layer_ids": LAYERS}  # speculators counts as we do
     assert offline.get_existing_hidden_state_indices(Path(out)) == list(range(len(dump["rows"])))
     assert offline.find_corrupt_hidden_state_indices(Path(out), list(range(len(dump["rows"])))) == {}
     for row, r in enumerate(dump["rows"]):

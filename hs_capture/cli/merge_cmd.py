@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import List, Tuple
 
@@ -39,7 +40,7 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     """Stitch every request in DUMPS (dump or run dirs, e.g. one per node) and write one
     file per complete sample. Incomplete samples are never written: they are listed, with
     the reason, in OUT/merge_report.json. Re-running skips finished files."""
-    from ..merge import REPORT, MergeError, MergeResult, merge
+    from ..merge import REPORT, SETTINGS, MergeError, MergeResult, merge
     from ..reader import DumpError
 
     progress = Progress(enabled=not (quiet or as_json))
@@ -59,7 +60,7 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
                "unattributed": len(res.unattributed), "tokens": res.tokens,
                "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
                "seconds": res.seconds, "loss_mask": res.loss_mask_source,
-               "report": os.path.join(out_dir, REPORT)}
+               "report": os.path.join(out_dir, REPORT), "settings": res.settings}
     if as_json:
         emit_json(summary)
         return
@@ -79,4 +80,7 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
         if res.recaptured:
             click.echo(f"hscap merge: warning: {len(res.recaptured)} samples were captured again in part (a retry or "
                        "a re-send); each was written from its whole capture (list in the report)", err=True)
+    if res.settings:
+        click.echo(f"hscap merge: {res.format} settings for this capture (also in {SETTINGS}): "
+                   + ", ".join(f"{k}={json.dumps(v)}" for k, v in res.settings.items()), err=True)
     click.echo(" ".join(f"{k}={v}" for k, v in summary.items()))

@@ -23,6 +23,10 @@ class TrainingFormat:
     load: Callable  # (path, key, headers) -> MergedSample; key: the native row's tensor prefix
     needs_prenorm: bool = False
     aux_layers: Optional[int] = None  # exactly this many captured layers, or any
+    # the trainer's own settings that match a capture: (layers in hs_capture's entering-layer
+    # convention, whether the dataset gave real loss masks) -> {setting: value}; merge writes
+    # them to OUT/trainer_settings.json (each trainer numbers layers its own way: README table)
+    settings: Optional[Callable[[Sequence[int], bool], Dict[str, object]]] = None
 
     def problem(self, prenorm: bool, layers: Sequence[int]) -> Optional[str]:
         """Why a dump with these settings cannot be written in this format, or None."""

@@ -27,12 +27,19 @@ def load(path: str, key, headers) -> MergedSample:
                   to_numpy(d["aux_hidden_states"]), to_numpy(fin), None, fin.shape[-1], dtype_name(fin))
 
 
+def settings(layers, real_mask: bool) -> dict:
+    # ModelOpt numbers a layer by its OUTPUT: the state entering layer i is layer i-1's output
+    return {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
+            # its loss_mask is read only with answer_only_loss; else every token is trained on
+            "answer_only_loss": real_mask}
+
+
 def _format():
     from . import TrainingFormat
 
     return TrainingFormat("modelopt", "ModelOpt: <id>-<hash>.pt, loadable with weights_only=True",
                           lambda rid, row: sample_file_stem(rid) + ".pt", lambda name: stem_of(name, ".pt"),
-                          write, load)
+                          write, load, settings=settings)
 
 
 FORMAT = _format()

@@ -28,12 +28,18 @@ def load(path: str, key, headers) -> MergedSample:
                   fin.shape[-1], dtype_name(fin))
 
 
+def settings(layers, real_mask: bool) -> dict:
+    # SpecForge numbers a layer as SGLang's EAGLE-3 does, by its OUTPUT: entering index - 1
+    # (its default [1, N//2-1, N-4] is hs_capture's [2, N//2, N-3]); the loss mask is read per sample
+    return {"model.aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+
+
 def _format():
     from . import TrainingFormat
 
     return TrainingFormat("specforge", "SpecForge: <id>-<hash>.ckpt, one torch.save dict per sample",
                           lambda rid, row: sample_file_stem(rid) + ".ckpt", lambda name: stem_of(name, ".ckpt"),
-                          write, load)
+                          write, load, settings=settings)
 
 
 FORMAT = _format()

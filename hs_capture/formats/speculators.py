@@ -124,12 +124,18 @@ def _identify(name: str):
         return None, None
 
 
+def settings(layers, real_mask: bool) -> dict:
+    # speculators numbers layers as vLLM collects them, by the state ENTERING a layer: the same
+    # indices as hs_capture (its default [2, N//2, N-3] is hs_capture's default too)
+    return {"target_layer_ids": list(layers)}
+
+
 def _format():
     from . import TrainingFormat
 
     return TrainingFormat("speculators", "speculators: hs_<row>.safetensors, 3 aux + the pre-norm final state",
                           lambda rid, row: f"hs_{row}.safetensors", _identify, write, load,
-                          needs_prenorm=True, aux_layers=3)
+                          needs_prenorm=True, aux_layers=3, settings=settings)
 
 
 FORMAT = _format()

@@ -7,10 +7,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Dict, List, Optional, Sequence
@@ -101,7 +103,9 @@ class Server:
         flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, *graph_flags(python or sys.executable),
                  "--port", "PORT", *extra_flags]
         self._cmd = [*launcher, *flags] if launcher else [python or sys.executable, "-m", "sglang.launch_server", *flags]
-        self._env = env
+        # SGLang's ZMQ sockets are temp files it never removes: give them a dir removed at kill
+        self._tmp = tempfile.mkdtemp(prefix="sglang-")
+        self._env = {**env, "TMPDIR": self._tmp}
         self._log = open(log_path, "wb")
         self._launch()
 
@@ -164,6 +168,7 @@ class Server:
         self._kill_group()
         if not self._log.closed:
             self._log.close()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def log(self) -> str:
         if not self._log.closed:
