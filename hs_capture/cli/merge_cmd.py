@@ -83,4 +83,4 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     if res.settings:
         click.echo(f"hscap merge: {res.format} settings for this capture (also in {SETTINGS}): "
                    + ", ".join(f"{k}={json.dumps(v)}" for k, v in res.settings.items()), err=True)
-    click.echo(" ".join(f"{k}={v}" for k, v in summary.items()))
+    click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if k != "settings"))
