@@ -23,6 +23,7 @@ from .assemble import Assembler, Plan, plan
 from .attribution import unattributed, warmups
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
+from .config import usable_cores
 from .heap import keep_large_buffers
 from .inputs import BadLine, Inputs, load_inputs
 from .layout import MERGE_REPORT, TEMP_MARK
@@ -163,8 +164,10 @@ def _step_raw_bytes(p: Plan) -> int:
 _W: Dict[str, object] = {}
 
 
-def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_bytes: int) -> None:
+def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_bytes: int, jobs: int = 1) -> None:
     keep_large_buffers()
+    if jobs > 1:  # N workers each with torch's default (every core) oversubscribe the host N-fold
+        torch.set_num_threads(max(1, usable_cores() // jobs))
     _W.update(plan=p, out_dir=out_dir, fmt=fmt_name, ds=ds, asm=Assembler(p, cache_bytes))
 
 
@@ -263,7 +266,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
         tasks = _cut(p, mine, 0) if jobs <= 1 else _balanced(p, mine, jobs)
         if jobs <= 1:
             tasks = [sum(tasks[k:k + 8], []) for k in range(0, len(tasks), 8)]
-    init = (p, out_dir, fmt_name, ds, per_job)
+    init = (p, out_dir, fmt_name, ds, per_job, jobs)
     if jobs <= 1:
         _init(*init)
         try:

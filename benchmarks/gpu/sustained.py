@@ -114,8 +114,9 @@ def mean(xs: List[float]) -> float:
 
 def run_target(target: str, forward, seconds: float, off_seconds: float, settle_s: float) -> dict:
     root = os.path.join(target, f"hscap-sustained-{os.getpid()}")
-    env = {"HSCAP_DIR": root, "HSCAP_RUN_ID": "run-sustained", "HSCAP_LAYERS": ",".join(map(str, LAYERS))}
-    cfg = config.load(env)  # every performance setting at its default
+    overrides = {k: v for k, v in os.environ.items() if k.startswith("HSCAP_")}  # none: the defaults
+    env = {**overrides, "HSCAP_DIR": root, "HSCAP_RUN_ID": "run-sustained", "HSCAP_LAYERS": ",".join(map(str, LAYERS))}
+    cfg = config.load(env)  # every performance setting at its default unless overridden above
     threads = cfg.writer_threads or config.default_writer_threads()
     os.makedirs(cfg.run_dir, exist_ok=True)
     off1 = phase(forward, off_seconds)
@@ -149,7 +150,7 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
     off = off1 + off2
     step_raw = T * 4 * H * 2 + 2 * T * 8  # aux + final bf16, ids + positions int64
     return {
-        "target": target, "defaults": {"codec": cfg.codec, "level": cfg.level, "writer_threads": threads,
+        "target": target, "overrides": overrides, "settings": {"codec": cfg.codec, "level": cfg.level, "writer_threads": threads,
                                        "fsync": cfg.fsync, "inflight_GB": round(cfg.max_inflight_bytes / 2 ** 30, 1),
                                        "on_full": cfg.on_full, "on_backlog": cfg.on_backlog},
         "seconds_on": round(on_wall, 1), "steps_on": len(on), "steps_off": len(off),
