@@ -148,9 +148,13 @@ def check_settings(env: Optional[Dict[str, str]] = None) -> List[Finding]:
         config_mod.check_dump_dir(cfg.dump_dir)
     except config_mod.ConfigError as e:
         return [Finding("settings", BLOCK, str(e))]
-    return [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
-                                    f"codec {cfg.codec} level {cfg.level}; "
-                                    f"{cfg.writer_threads or f'{config_mod.default_writer_threads()} (auto)'} writer threads")]
+    out = [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
+                                   f"codec {cfg.codec} level {cfg.level}; "
+                                   f"{cfg.writer_threads or f'{config_mod.default_writer_threads()} (auto)'} writer threads")]
+    if not cfg.prenorm:  # said before serving, not first at merge time
+        out.append(Finding("pre-norm state", INFO, "not captured: speculators trains on it, so merge --format "
+                           "speculators would refuse this dump", "HSCAP_PRENORM=1 (hscap serve --prenorm)"))
+    return out
 
 
 def parse_server_flags(argv: Sequence[str]) -> Any:

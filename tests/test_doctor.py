@@ -119,3 +119,22 @@ def test_a_model_no_target_captures_blocks(tmp_path):
     assert code == 1
     assert f["model"]["status"] == "block" and "GPT2LMHeadModel is not a target" in f["model"]["detail"]
     assert "LlamaForCausalLM" in f["model"]["action"]
+
+
+def test_the_pre_norm_state_speculators_needs_is_named_before_serving(tmp_path):
+    from hs_capture.doctor import check_settings
+
+    without = {f.topic: f for f in check_settings({"HSCAP_DIR": str(tmp_path)})}
+    assert without["pre-norm state"].status == "info" and "HSCAP_PRENORM=1" in without["pre-norm state"].action
+    assert "pre-norm state" not in {f.topic for f in check_settings({"HSCAP_DIR": str(tmp_path), "HSCAP_PRENORM": "1"})}
+
+
+def test_hscap_serve_says_when_the_pre_norm_state_is_not_captured(tmp_path):
+    from click.testing import CliRunner
+
+    from hs_capture.cli import main
+
+    res = CliRunner().invoke(main, ["serve", "-d", str(tmp_path), "--dry-run", "--", "--model-path", "m"])
+    assert res.exit_code == 0 and "add --prenorm" in res.output
+    res = CliRunner().invoke(main, ["serve", "-d", str(tmp_path), "--prenorm", "--dry-run", "--", "--model-path", "m"])
+    assert res.exit_code == 0 and "add --prenorm" not in res.output

@@ -64,10 +64,12 @@ def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> T
 @click.option("--dump-dir", "-d", required=True, type=click.Path(file_okay=False),
               help="Where the hidden states go (HSCAP_DIR).")
 @click.option("--layers", help="HSCAP_LAYERS, e.g. 2,30,58 (entering-layer convention).")
+@click.option("--prenorm", is_flag=True, help="Also capture the pre-norm final state (HSCAP_PRENORM=1), "
+              "what speculators trains on.")
 @click.option("--python", default=sys.executable, show_default=True, help="The server's Python.")
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def serve(dump_dir: str, layers: str, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
+def serve(dump_dir: str, layers: str, prenorm: bool, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
     Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
@@ -78,6 +80,11 @@ def serve(dump_dir: str, layers: str, python: str, dry_run: bool, sglang_args: T
     cmd, env = build_command(dump_dir, sglang_args, python)
     if layers:
         env["HSCAP_LAYERS"] = layers
+    if prenorm:
+        env["HSCAP_PRENORM"] = "1"
+    if env.get("HSCAP_PRENORM", "0") not in ("1", "true", "yes"):
+        click.echo("hscap serve: the pre-norm final state is not captured; speculators trains on it "
+                   "(merge --format speculators needs it): add --prenorm to capture it too", err=True)
     if dry_run:
         click.echo(" ".join(cmd))
         return
