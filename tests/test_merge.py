@@ -253,6 +253,43 @@ def test_specforge_own_offline_reader_accepts_the_output(dump, tmp_path):
     assert sorted(got) == lengths
 
 
+def test_modelopt_own_dataset_and_collator_read_the_output(dump, tmp_path):
+    """ModelOpt 0.47.0's OfflineSupervisedDataset + EagleOfflineDataCollator, loaded from its
+    own files (its package __init__ pulls its training stack), on merge's output, with the
+    settings merge wrote for it."""
+    import sys
+
+    loss_mask_mod = _framework_module("modelopt", "torch/utils/loss_mask.py", "modelopt.torch.utils.loss_mask")
+    sys.modules["modelopt.torch.utils.loss_mask"] = loss_mask_mod  # what eagle/utils.py imports
+    try:
+        eagle = _framework_module("modelopt", "torch/speculative/eagle/utils.py", "modelopt_eagle_utils")
+    finally:
+        sys.modules.pop("modelopt.torch.utils.loss_mask", None)
+    out = str(tmp_path / "mo")
+    run_merge(dump["dir"], "-o", out, "--format", "modelopt", "--dataset", dump["data"])
+    settings = json.load(open(os.path.join(out, "trainer_settings.json")))["settings"]
+    files = sorted(os.path.join(out, n) for n in os.listdir(out) if n.endswith(".pt"))
+    rows = by_rid(dump["rows"])
+    ds = eagle.OfflineSupervisedDataset(files, answer_only_loss=settings["answer_only_loss"])
+    items = [ds[i] for i in range(len(ds))]
+    h = 256
+    for f, item in zip(files, items):
+        row = rows[torch.load(f, weights_only=True)["conversation_id"]]
+        t = len(row["input_ids"])
+        assert item["input_ids"].tolist() == row["input_ids"] and item["input_ids"].dtype == torch.int64
+        assert item["loss_mask"].tolist() == row["loss_mask"]  # answer_only_loss: the dataset's mask is used
+        assert item["labels"][:-1].tolist() == row["input_ids"][1:]
+        assert item["aux_hidden_states"].shape == (t, len(settings["eagle_aux_hidden_state_layer_ids"]) * h)
+        assert item["base_model_hidden_states"].shape == (t, h) and item["base_hidden_prenorm"] is False
+    # without answer_only_loss ModelOpt trains on every token: why merge says to set it
+    plain = eagle.OfflineSupervisedDataset(files, answer_only_loss=False)
+    assert all(plain[i]["loss_mask"].tolist() == [1] * len(items[i]["input_ids"]) for i in range(len(plain)))
+    batch = eagle.EagleOfflineDataCollator(train_len=512)(items[:4])
+    assert batch["input_ids"].shape == (4, 512) and batch["loss_mask"].shape == (4, 512)
+    assert batch["base_model_outputs"]["aux_hidden_states"].shape == (4, 512, 3 * h)
+    assert batch["base_model_outputs"]["aux_hidden_states"].dtype == torch.float32
+
+
 def test_speculators_own_checks_accept_the_output(dump, tmp_path):
     from pathlib import Path
 
