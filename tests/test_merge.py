@@ -253,6 +253,30 @@ def test_specforge_own_offline_reader_accepts_the_output(dump, tmp_path):
     assert sorted(got) == lengths
 
 
+def test_specforge_own_manifest_reader_and_feature_loader_serve_the_output(dump, tmp_path):
+    """SpecForge 0.2.0's OfflineManifestReader -> LocalFeatureStore -> FeatureDataLoader, the
+    path its offline trainer takes, on merge's output: every sample, its tokens and mask."""
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+    from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
+
+    out = str(tmp_path / "sf")
+    run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    refs = OfflineManifestReader(out, validate_files=True).read()
+    assert len(refs) == len(dump["rows"])
+    by_ids = {tuple(r["input_ids"]): r for r in dump["rows"]}
+    seen = 0
+    for batch in FeatureDataLoader(LocalFeatureStore(), refs=refs, batch_size=1):
+        t = batch.tensors
+        ids = tuple(t["input_ids"].reshape(-1).tolist())
+        row = by_ids[ids]  # KeyError: tokens that are no dataset row
+        n = len(ids)
+        assert t["loss_mask"].reshape(-1).tolist() == row["loss_mask"] and t["input_ids"].dtype == torch.int64
+        assert t["aux_hidden_state"].shape[-2:] == (n, 3 * 256) and t["hidden_state"].shape[-2:] == (n, 256)
+        seen += 1
+    assert seen == len(dump["rows"])
+
+
 def test_modelopt_own_dataset_and_collator_read_the_output(dump, tmp_path):
     """ModelOpt 0.47.0's OfflineSupervisedDataset + EagleOfflineDataCollator, loaded from its
     own files (its package __init__ pulls its training stack), on merge's output, with the
