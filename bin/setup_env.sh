@@ -25,7 +25,7 @@ pip install torch==2.14.1 torchvision==0.29.1
 pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
 # the training frameworks whose own reader code the merge tests load (--no-deps: readers only;
 # ModelOpt's dataset and collator are loaded from their files, not through its package)
-pip install --no-deps specforge==0.2.0 speculators==0.9.0 nvidia-modelopt==0.47.0
+pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 nvidia-modelopt==0.47.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
 n=$(grep -c "which is not installed\|but you have" "$LOG" || true)

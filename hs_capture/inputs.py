@@ -1,11 +1,17 @@
-"""The inputs: the file a user sends and merges by (`--dataset`), JSONL, one sample a line,
-{"id": ..., "input_ids": [...], "loss_mask": [...]} (loss_mask optional). Parsed line by line,
-each problem named by its line number. A leaf: `hscap send` streams it (read_inputs), merge and
-verify load it whole for ids, order and loss masks (load_inputs)."""
+"""The inputs: what a user sends and merges by (`--dataset`). Either
+  - a JSONL file, one sample a line, {"id": ..., "input_ids": [...], "loss_mask": [...]}
+    (loss_mask optional), parsed line by line, each problem named by its line number; or
+  - speculators' prepared dataset (the directory `speculators prepare_data` saves with
+    `datasets.save_to_disk`: input_ids, loss_mask, seq_len, already shuffled): row k is
+    id "k", so merge --format speculators writes hs_k.safetensors where speculators reads it.
+    Read with pyarrow (installed with speculators), imported only for such a directory.
+A leaf: `hscap send` streams it (read_inputs), merge and verify load it whole for ids,
+order and loss masks (load_inputs)."""
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
@@ -48,8 +54,17 @@ def load_inputs(path: str) -> Inputs:
     return out
 
 
+def is_arrow_dataset(path: str) -> bool:
+    """A `datasets.save_to_disk` directory (speculators' prepared data)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "state.json"))
+
+
 def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[BadLine]]]:
-    """Yield (line number, sample or None, error or None) for every non-blank line."""
+    """Yield (line number, sample or None, error or None) for every non-blank line (for a
+    prepared dataset: every row, numbered from 1, its id the 0-based row)."""
+    if is_arrow_dataset(path):
+        yield from _read_arrow(path)
+        return
     seen: Set[str] = set()
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -63,6 +78,36 @@ def read_inputs(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optiona
                 yield n, sample, None
             except BadLine as e:
                 yield n, None, e
+
+
+def _read_arrow(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optional[BadLine]]]:
+    try:
+        import pyarrow.ipc
+    except ImportError:
+        raise BadLine(f"{path}: a prepared (Arrow) dataset needs pyarrow: pip install pyarrow") from None
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            files = [d["filename"] for d in json.load(f)["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadLine(f"{path}: not a readable datasets directory (state.json: {e})") from None
+    row = 0
+    for name in files:
+        try:
+            reader = pyarrow.ipc.open_stream(os.path.join(path, os.path.basename(name)))
+        except (OSError, pyarrow.ArrowInvalid) as e:
+            raise BadLine(f"{path}: {name}: {e}") from None
+        for batch in reader:
+            cols = batch.to_pydict()
+            if "input_ids" not in cols:
+                raise BadLine(f"{path}: no input_ids column (has {sorted(cols)})")
+            masks = cols.get("loss_mask") or [None] * len(cols["input_ids"])
+            for ids, mask in zip(cols["input_ids"], masks):
+                row += 1
+                obj = {"id": str(row - 1), "input_ids": ids, "loss_mask": mask}
+                try:
+                    yield row, parse_line(json.dumps(obj).encode(), row), None
+                except BadLine as e:
+                    yield row, None, BadLine(str(e).replace("line ", "row ", 1), str(row - 1))
 
 
 def parse_line(raw: bytes, n: int) -> InputSample:

@@ -27,8 +27,9 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--format", "fmt_name", required=True, type=click.Choice(NAMES),
               help="Training format: " + "; ".join(f"{n} ({FORMATS[n].what})" for n in NAMES) + ".")
-@click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
-              help="The JSONL sent: loss masks joined by id, token ids checked; only its ids are merged.")
+@click.option("--dataset", type=click.Path(exists=True),
+              help="The JSONL sent (or speculators' prepared dataset dir): loss masks joined by id, token ids "
+                   "checked; only its ids are merged.")
 @click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")
 @click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row % N == i.")
 @click.option("--cache-mb", default=2048, show_default=True, type=click.IntRange(16),

@@ -9,12 +9,12 @@ from typing import List, Optional
 import click
 
 from .. import send as sender
-from ..inputs import InputSample, read_inputs
+from ..inputs import BadLine, InputSample, read_inputs
 from ._common import JSON, QUIET, Progress, emit_json
 
 
 @click.command()
-@click.argument("dataset", type=click.Path(exists=True, dir_okay=False))
+@click.argument("dataset", type=click.Path(exists=True))
 @click.option("--url", default="http://127.0.0.1:30000", show_default=True, help="The SGLang server.")
 @click.option("--concurrency", "-c", default=8, show_default=True, type=click.IntRange(1, 4096),
               help="Requests in flight (SGLang batches them into one forward).")
@@ -33,7 +33,8 @@ from ._common import JSON, QUIET, Progress, emit_json
 @JSON
 def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries: int, backoff: float,
          timeout: float, on_bad_line: str, failures_path: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
-    """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]) to the server's
+    """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]; or speculators'
+    prepared dataset directory, row k sent as id "k") to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
     from ..assemble import Captured  # lazily: it needs torch, and `hscap` starts without it
@@ -62,6 +63,31 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
         sps, tps = stats.rate()
         progress.update(f"sent {stats.sent}  failed {stats.failed}  {sps:.1f} samples/s  {tps:,.0f} tokens/s")
 
+    try:
+        stats = _send_all(dataset, url, concurrency, retries, timeout, backoff, skip, on_failure, on_progress,
+                          on_bad_line, dry_run)
+    except BadLine as e:  # the dataset as a whole cannot be read
+        raise click.ClickException(str(e))
+    progress.close()
+    summary = {"sent" if not dry_run else "would_send": stats.sent, "tokens": stats.tokens,
+               "skipped_already_captured": stats.skipped_captured, "bad_lines": stats.bad_lines}
+    if not dry_run:  # a dry run sends nothing: no rates, and no failures file (the lines are printed)
+        _write_failures(failures_path, failures)
+        sps, tps = stats.rate()
+        summary.update(failed=stats.failed, retries=stats.retries, samples_per_s=round(sps, 2),
+                       tokens_per_s=round(tps, 1), failures_file=failures_path if failures else None)
+    summary["stopped_at_bad_line"] = stats.stopped
+    if as_json:
+        emit_json(summary)
+    elif not quiet:
+        click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if v not in (None, False)))
+    if stats.failed or stats.bad_lines:
+        raise SystemExit(1)
+
+
+def _send_all(dataset: str, url: str, concurrency: int, retries: int, timeout: float, backoff: float, skip, on_failure,
+              on_progress, on_bad_line: str, dry_run: bool) -> "sender.SendStats":
+    """Send (or, dry, count) every sample; BadLine when the dataset as a whole is unreadable."""
     if dry_run:
         stats = sender.SendStats()
         for n, sample, error in read_inputs(dataset):
@@ -80,21 +106,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
         stats = sender.run(url, read_inputs(dataset), concurrency=concurrency, retries=retries,
                            timeout=timeout, backoff=backoff, skip=skip, on_failure=on_failure,
                            on_progress=on_progress, stop_on_bad_line=on_bad_line == "stop")
-    progress.close()
-    summary = {"sent" if not dry_run else "would_send": stats.sent, "tokens": stats.tokens,
-               "skipped_already_captured": stats.skipped_captured, "bad_lines": stats.bad_lines}
-    if not dry_run:  # a dry run sends nothing: no rates, and no failures file (the lines are printed)
-        _write_failures(failures_path, failures)
-        sps, tps = stats.rate()
-        summary.update(failed=stats.failed, retries=stats.retries, samples_per_s=round(sps, 2),
-                       tokens_per_s=round(tps, 1), failures_file=failures_path if failures else None)
-    summary["stopped_at_bad_line"] = stats.stopped
-    if as_json:
-        emit_json(summary)
-    elif not quiet:
-        click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if v not in (None, False)))
-    if stats.failed or stats.bad_lines:
-        raise SystemExit(1)
+    return stats
 
 
 def _write_failures(path: str, failures: List[dict]) -> Optional[str]:

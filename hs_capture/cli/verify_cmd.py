@@ -32,7 +32,7 @@ def _check_device(name: str) -> None:
 
 @click.command("verify")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--dataset", type=click.Path(exists=True, dir_okay=False),
+@click.option("--dataset", type=click.Path(exists=True),
               help="The JSONL sent: every id must be whole and its token ids must match.")
 @click.option("--sample", type=click.IntRange(1), default=None,
               help="Decode only K random steps (dumps) or samples (merged); index checks still cover all.")
