@@ -106,26 +106,41 @@ def _step_order(p: Plan, items: List[Item]) -> List[Item]:
     return sorted(items, key=key)
 
 
+def _token_bytes(p: Plan, itemsize: int) -> int:
+    """Decoded bytes of one token's captured states (every layer, the final, the pre-norm)."""
+    return p.hidden_size * (len(p.layers) + 1 + p.prenorm) * itemsize
+
+
 def _raw_size(p: Plan, rid: str) -> int:
     """A sample's decoded bytes, float32 worst case (sizes from the plan: nothing read)."""
-    return sum(pc.length for pc in p.samples[rid]) * p.hidden_size * (len(p.layers) + 1 + p.prenorm) * 4
+    return sum(pc.length for pc in p.samples[rid]) * _token_bytes(p, 4)
+
+
+def _runs(seq: List, target: float, size: Callable[[object], int],
+          key: Optional[Callable[[object], object]] = None) -> List[List]:
+    """Consecutive runs of `seq` of about `target` (each at least `target`, the last maybe
+    less), cut only between neighbours whose `key` differs (when given)."""
+    runs: List[List] = [[]]
+    have, last = 0, None
+    for x in seq:
+        k = key(x) if key else None
+        if runs[-1] and have >= target and (key is None or k != last):
+            runs.append([])
+            have = 0
+        runs[-1].append(x)
+        have += size(x)
+        last = k
+    return [r for r in runs if r]
 
 
 def _cut(p: Plan, items: List[Item], target: float) -> List[List[Item]]:
-    """Consecutive runs of step-ordered items of about `target` bytes, cut only between
-    samples that end in different steps (a step's samples share its decode)."""
-    runs: List[List[Item]] = [[]]
-    size, last = 0, None
-    for item in items:
+    """Runs of step-ordered items of about `target` bytes, cut only between samples that end
+    in different steps (a step's samples share its decode)."""
+    def end(item: Item):
         pc = p.samples[item[1]][-1]
-        end = (pc.run, pc.rank, pc.step)
-        if runs[-1] and size >= target and end != last:
-            runs.append([])
-            size = 0
-        runs[-1].append(item)
-        size += _raw_size(p, item[1])
-        last = end
-    return [r for r in runs if r]
+        return (pc.run, pc.rank, pc.step)
+
+    return _runs(items, target, lambda item: _raw_size(p, item[1]), end)
 
 
 def _balanced(p: Plan, items: List[Item], parts: int) -> List[List[Item]]:
@@ -134,27 +149,13 @@ def _balanced(p: Plan, items: List[Item], parts: int) -> List[List[Item]]:
     return _cut(p, items, total / max(1, parts))
 
 
-def _group(seq: List, parts: int, size: Callable[[object], int]) -> List[List]:
-    """`parts` contiguous groups of `seq` of about equal size (fewer when there is less)."""
-    target = sum(size(x) for x in seq) / max(1, parts)
-    groups: List[List] = [[]]
-    have = 0
-    for x in seq:
-        if groups[-1] and have >= target:
-            groups.append([])
-            have = 0
-        groups[-1].append(x)
-        have += size(x)
-    return [g for g in groups if g]
-
-
 def _step_raw_bytes(p: Plan) -> int:
     """The largest step's decoded bytes in 2-byte floats (bf16, what servers store)."""
     tokens: Dict[Tuple[int, str, int], int] = {}
     for pcs in p.samples.values():
         for pc in pcs:
             tokens[(pc.run, pc.rank, pc.step)] = tokens.get((pc.run, pc.rank, pc.step), 0) + pc.length
-    return max(tokens.values(), default=0) * p.hidden_size * (len(p.layers) + 1 + p.prenorm) * 2
+    return max(tokens.values(), default=0) * _token_bytes(p, 2)
 
 
 # ----------------------------------------------------------------- workers
@@ -259,7 +260,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
         # -j finds the same shards, and skips those that exist
         shards = [(os.path.join(out_dir, native.shard_name(i, n, k)), b)
                   for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
-        worker, tasks = _work_shards, _group(shards, jobs, lambda sh: sum(_raw_size(p, rid) for _, rid in sh[1]))
+        sizes = {path: sum(_raw_size(p, rid) for _, rid in items) for path, items in shards}
+        worker = _work_shards
+        tasks = _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
     else:
         worker = _work_files
         # one process: small runs only pace the progress line (its cache carries over)
