@@ -103,11 +103,10 @@ def _read_arrow(path: str) -> Iterator[Tuple[int, Optional[InputSample], Optiona
             masks = cols.get("loss_mask") or [None] * len(cols["input_ids"])
             for ids, mask in zip(cols["input_ids"], masks):
                 row += 1
-                obj = {"id": str(row - 1), "input_ids": ids, "loss_mask": mask}
                 try:
-                    yield row, parse_line(json.dumps(obj).encode(), row), None
+                    yield row, _sample({"id": str(row - 1), "input_ids": ids, "loss_mask": mask}, row, "row"), None
                 except BadLine as e:
-                    yield row, None, BadLine(str(e).replace("line ", "row ", 1), str(row - 1))
+                    yield row, None, e
 
 
 def parse_line(raw: bytes, n: int) -> InputSample:
@@ -117,14 +116,19 @@ def parse_line(raw: bytes, n: int) -> InputSample:
         raise BadLine(f"line {n}: not JSON ({e.msg})") from None
     if not isinstance(obj, dict):
         raise BadLine(f"line {n}: not a JSON object")
+    return _sample(obj, n, "line")
+
+
+def _sample(obj: dict, n: int, where: str) -> InputSample:
+    """One sample's fields checked; BadLine names `where` n (a line, or a prepared row)."""
     sid = obj.get("id")
     if not isinstance(sid, (str, int)) or isinstance(sid, bool) or str(sid) == "":
-        raise BadLine(f"line {n}: 'id' must be a non-empty string or integer")
+        raise BadLine(f"{where} {n}: 'id' must be a non-empty string or integer")
     ids = obj.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadLine(f"line {n}: 'input_ids' must be a non-empty list of non-negative integers", str(sid))
+        raise BadLine(f"{where} {n}: 'input_ids' must be a non-empty list of non-negative integers", str(sid))
     mask = obj.get("loss_mask")
     if mask is not None and (not isinstance(mask, list) or len(mask) != len(ids)
                              or not all(m in (0, 1) for m in mask)):
-        raise BadLine(f"line {n}: 'loss_mask' must be 0/1 values, one per input id", str(sid))
+        raise BadLine(f"{where} {n}: 'loss_mask' must be 0/1 values, one per input id", str(sid))
     return InputSample(n, str(sid), ids, mask)
