@@ -58,6 +58,11 @@ def forced(env: Mapping[str, str] = os.environ) -> bool:
     return env.get("HSCAP_FORCE", "").strip() in ("1", "true", "yes")
 
 
+def prenorm(env: Mapping[str, str] = os.environ) -> bool:
+    """HSCAP_PRENORM=1: also capture the final norm's input (what speculators trains on)."""
+    return env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes")
+
+
 def is_enabled(env: Mapping[str, str] = os.environ) -> bool:
     """Capture is opted into with HSCAP_DIR; HSCAP_DISABLE=1 is the kill switch."""
     return dump_dir_from_env(env) is not None and env.get("HSCAP_DISABLE", "") not in ("1", "true", "yes")
@@ -145,7 +150,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),
-        prenorm=env.get("HSCAP_PRENORM", "0") in ("1", "true", "yes"),
+        prenorm=prenorm(env),
         min_free_bytes=_min_free(env),
         flush_timeout_s=_number(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0, float),
     )

@@ -10,6 +10,8 @@ from typing import List, Tuple
 
 import click
 
+from .. import config
+
 HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
 
 # The flags capture needs, each for a reason (README "Launcher"):
@@ -82,7 +84,7 @@ def serve(dump_dir: str, layers: str, prenorm: bool, python: str, dry_run: bool,
         env["HSCAP_LAYERS"] = layers
     if prenorm:
         env["HSCAP_PRENORM"] = "1"
-    if env.get("HSCAP_PRENORM", "0") not in ("1", "true", "yes"):
+    if not config.prenorm(env):
         click.echo("hscap serve: the pre-norm final state is not captured; speculators trains on it "
                    "(merge --format speculators needs it): add --prenorm to capture it too", err=True)
     if dry_run:
