@@ -53,13 +53,28 @@ def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 
                         writer_threads=threads, max_inflight_bytes=inflight, fsync=False)
     w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H}, expected_rows=T)
     w.start()
+    prewarm_and_wait(w, inflight, 30)
+    return w
+
+
+def prewarm_and_wait(w: ShardWriter, inflight: int, timeout_s: float) -> None:
+    """Pin the pool for full steps as capture.setup_model does at model init, and wait until
+    the in-flight budget is pinned (there is ample time before the first request)."""
     sizes = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model asks for at model init
     w.prewarm(sizes)
-    deadline = time.time() + 30  # at model init there is ample time before the first request
+    deadline = time.time() + timeout_s
     step = w.pinned_pool.rounded(step_buffer_bytes(sizes))  # what prewarm pins: whole steps, one buffer each
     while w.pinned_pool.pinned_bytes < inflight // step * step and time.time() < deadline:
         time.sleep(0.1)
-    return w
+
+
+def write_results(res: dict, out) -> None:
+    """Print the results and, with --out, keep them in a file."""
+    text = json.dumps(res, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 def step_tensors(gen):
@@ -309,11 +324,7 @@ def main() -> None:
             res["gpu_produces_GBps_per_gpu"] = round((K + 1) * T * H * 2 / step_s / 1e9, 2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    write_results(res, a.out)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from capture import H, K, T, prewarm_and_wait, write_results  # noqa: E402  (beside this file)
 from hs_capture import config  # noqa: E402
 from hs_capture.layout import RankId, index_path  # noqa: E402
-from hs_capture.staging import step_buffer_bytes  # noqa: E402
 from hs_capture.writer import ShardWriter  # noqa: E402
 
-T, H, LAYERS, MATMULS = 8192, 7168, [2, 30, 58], 112
+LAYERS, MATMULS = [2, 30, 58], 112
+assert K == len(LAYERS)
 
 
 class Janitor(threading.Thread):
@@ -122,12 +123,7 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
     off1 = phase(forward, off_seconds)
     w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H}, expected_rows=T)
     w.start()
-    sizes = [T * 3 * H * 2, T * H * 2, T * 8, T * 8]
-    w.prewarm(sizes)  # what the hook does at model load, long before the first request
-    step_bytes = w.pinned_pool.rounded(step_buffer_bytes(sizes))
-    deadline = time.time() + 60
-    while w.pinned_pool.pinned_bytes < cfg.max_inflight_bytes // step_bytes * step_bytes and time.time() < deadline:
-        time.sleep(0.2)
+    prewarm_and_wait(w, cfg.max_inflight_bytes, 60)  # what the hook does at model load
     janitor = Janitor(cfg.run_dir, RankId())
     janitor.start()
     t0 = time.monotonic()
@@ -189,11 +185,7 @@ def main() -> None:
         r = run_target(d, forward, a.seconds, a.off_seconds, a.settle_s)
         res["runs"].append(r)
         print(json.dumps(r), flush=True)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    write_results(res, a.out)
 
 
 if __name__ == "__main__":
