@@ -57,6 +57,17 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000..32000")
 
 
+def _flag_value(args: Sequence[str], names: Sequence[str]) -> Optional[str]:
+    """The value of the first of `names` in an argument list (`-d X` or `--dump-dir=X`)."""
+    for i, a in enumerate(args):
+        if a in names and i + 1 < len(args):
+            return args[i + 1]
+        for n in names:
+            if n.startswith("--") and a.startswith(n + "="):
+                return a[len(n) + 1:]
+    return None
+
+
 def server_env(dump_dir: Optional[str], hook: bool = True, **extra: str) -> Dict[str, str]:
     """hook=False leaves the hook off PYTHONPATH (for a launcher that adds it itself)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_"))}
@@ -107,9 +118,12 @@ class Server:
         self._tmp = tempfile.mkdtemp(prefix="sglang-")
         self._env = {**env, "TMPDIR": self._tmp}
         self._log = open(log_path, "wb")
+        self._dump_dir = env.get("HSCAP_DIR") or _flag_value(launcher or (), ("-d", "--dump-dir"))
         self._launch()
 
     def _launch(self) -> None:
+        # what a restart must remove: a killed attempt's run would be a second run in the dump
+        self._dump_before = set(os.listdir(self._dump_dir)) if self._dump_dir and os.path.isdir(self._dump_dir) else set()
         cmd = [str(self.port) if a == "PORT" else a for a in self._cmd]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=self._env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -123,6 +137,7 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             if attempts > 1 and f"('127.0.0.1', {self.port}): address already in use" in self.log():
                 self._kill_group()
+                self._remove_attempt_runs()
                 self.port = free_port()
                 self.url = f"http://127.0.0.1:{self.port}"
                 attempts -= 1
@@ -136,6 +151,11 @@ class Server:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"server not healthy in {timeout}s:\n{self.log()[-3000:]}")
+
+    def _remove_attempt_runs(self) -> None:
+        if self._dump_dir and os.path.isdir(self._dump_dir):
+            for name in set(os.listdir(self._dump_dir)) - self._dump_before:
+                shutil.rmtree(os.path.join(self._dump_dir, name), ignore_errors=True)
 
     def wait_exit(self, timeout: float) -> int:
         try:
