@@ -208,10 +208,11 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
             cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, flags)))
         meta = _run_meta(cfg, hf_config, layers, flags, par, modes)
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
-        writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)))
+        writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)),
+                             step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
         writer.start()
         _writers.add(writer)
-        writer.prewarm(_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
+        writer.prewarm()
         _install_shutdown(cfg.flush_timeout_s)
     state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm,
                          target.select if target is not None else LIST)
@@ -220,7 +221,8 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
     state.layers_for(model, capturing=True)
     causal_lm.capture_aux_hidden_states = True
-    where = f"writing {cfg.run_dir} as {par.rank.tag}" if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
+    where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads, "
+             f"{writer.cfg.max_inflight_bytes / 2 ** 30:.1f} GiB in flight)") if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
     log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; %s",
              type(causal_lm).__name__, layers, "entering-layer convention",
              " and pre-norm" if cfg.prenorm else "", where)

@@ -29,10 +29,11 @@ class CaptureConfig:
     codec: str = "bytegroup"
     level: int = 1
     writer_threads: int = 0  # 0: sized at model load from the cores and the writers on the host
-    max_inflight_bytes: int = 4 << 30
+    max_inflight_bytes: int = 0  # 0: sized at model load from the threads and the step (inflight_budget)
     on_full: str = "block"
-    # when over half the in-flight budget waits, write steps raw (crc-checked, every byte kept)
-    # until the backlog drains: cheaper than blocking the forward; "off" always compresses
+    # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
+    # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
+    # always compresses
     on_backlog: str = "raw"
     fsync: bool = True
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
@@ -121,6 +122,22 @@ def default_writer_threads(writers_on_host: int = 1) -> int:
     return max(2, min(12, (usable_cores() - 4) // max(1, writers_on_host)))
 
 
+_MIN_INFLIGHT = 4 << 30
+_SPARE_STEPS = 4  # steps that may wait for a thread before the forward does
+
+
+def inflight_budget(threads: int, step_bytes: int) -> int:
+    """The default in-flight budget: every thread busy on a full step with a few more waiting
+    (so that all of them can compress at once: 4 GiB held only ~8 of the H200's 470 MB steps,
+    and 12 threads compressed 4 of them), at least 4 GiB, at most an eighth of the host's memory."""
+    want = max(_MIN_INFLIGHT, (threads + _SPARE_STEPS) * max(0, step_bytes))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return want
+    return max(_MIN_INFLIGHT, min(want, ram // 8))
+
+
 def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     dump_dir = dump_dir_from_env(env)
     if dump_dir is None:
@@ -145,7 +162,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         codec=codec,
         level=_int(env, "HSCAP_LEVEL", 1, -7, 22),
         writer_threads=_int(env, "HSCAP_WRITER_THREADS", 0, 0, 64),
-        max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 4096, 1, 1 << 20) << 20,
+        max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 0, 0, 1 << 20) << 20,
         on_full=on_full,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),

@@ -5,8 +5,9 @@ threads turn each job into one .hst file per part, each written under a temp
 name, fsynced and renamed; only when every file of the step is durable is the
 step's index line appended. In-flight memory is bounded: `block` (default)
 makes the forward wait, `drop` skips the step and writes a `dropped` index line,
-so no loss is ever silent. Before it comes to that, a writer that falls behind (over half
-the budget waiting) writes steps raw until it catches up (`on_backlog`); when even raw
+so no loss is ever silent. Before it comes to that, a writer that falls behind (steps waiting
+for a thread hold over a quarter of the budget) writes steps raw until it catches up
+(`on_backlog`); when even raw
 writes cannot keep up the disk is the limit, and that is said once, with the rates.
 """
 
@@ -17,13 +18,14 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from . import files
 from . import format as fmt
-from .config import CaptureConfig, default_writer_threads
+from .config import CaptureConfig, default_writer_threads, inflight_budget
 from .files import fsync_dir, remove_quietly
 from .layout import FINAL, RankId, part_name, step_file
 from .log import get_logger
@@ -95,15 +97,21 @@ class ShardWriter:
     """One per writing rank. `submit` is the only call on the forward's critical path."""
 
     def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any], expected_rows: int = 0,
-                 copier: Optional[AsyncCopier] = None) -> None:
+                 step_sizes: Sequence[int] = (), copier: Optional[AsyncCopier] = None) -> None:
         """expected_rows: the most tokens one step can hold (chunked prefill size), for pinning ahead.
-        copier: how device tensors reach the host (default: a CUDA side stream; see staging.py)."""
-        self.cfg = cfg
+        step_sizes: the host bytes of one full step's tensors (sizes the default budget; pinned
+        ahead by prewarm). copier: how device tensors reach the host (default: a CUDA side
+        stream; see staging.py). The settings left at 0 (auto) are resolved here, into self.cfg."""
+        threads = cfg.writer_threads or default_writer_threads()
+        self.cfg = cfg = replace(cfg, writer_threads=threads,
+                                 max_inflight_bytes=cfg.max_inflight_bytes or inflight_budget(threads, sum(step_sizes)))
         self.rank = rank
         self.run_dir = cfg.run_dir
         self.run_meta = dict(run_meta)
+        self._step_sizes = list(step_sizes)
         self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
         self._budget = _Budget(cfg.max_inflight_bytes)
+        self._waiting = 0  # bytes queued that no thread has picked up yet (under _stats_lock)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._index_lock = threading.Lock()
         self._stats_lock = threading.Lock()
@@ -127,7 +135,7 @@ class ShardWriter:
         self._record.open()
         self.run_meta.update(status="running", started=time.time())
         self._write_meta()
-        for i in range(self.cfg.writer_threads or default_writer_threads()):
+        for i in range(self.cfg.writer_threads):
             t = threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -180,6 +188,8 @@ class ShardWriter:
             self._budget.release(nbytes)
             self._drop(step, meta)
             return False
+        with self._stats_lock:
+            self._waiting += staged.nbytes
         self._queue.put((step, meta, staged, aux_layers or []))
         return True
 
@@ -213,6 +223,9 @@ class ShardWriter:
             if job is None:
                 return
             step, meta, staged, aux_layers = job
+            with self._stats_lock:
+                self._waiting -= staged.nbytes
+                behind = self._waiting * 4 > self._budget.limit
             try:
                 if self.stopped:
                     continue  # queued before the stop: released below, never written
@@ -220,7 +233,7 @@ class ShardWriter:
                 if low:
                     self._stop(step, low)
                     continue
-                self._write_step(step, meta, staged, aux_layers)
+                self._write_step(step, meta, staged, aux_layers, behind)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._stop(step, f"disk full: {e.strerror}")
@@ -265,20 +278,23 @@ class ShardWriter:
                 parts[name] = t
         return parts
 
-    def prewarm(self, sizes: List[int]) -> None:
-        """Pin host buffers for full-size steps ahead of the first one (CUDA only)."""
+    def prewarm(self, sizes: Optional[List[int]] = None) -> None:
+        """Pin host buffers for full-size steps (default: step_sizes) ahead of the first one (CUDA only)."""
+        sizes = self._step_sizes if sizes is None else sizes
         if torch.cuda.is_available() and sizes:
             self._stager.prewarm_async(sizes)
 
-    def _codec_now(self) -> str:
-        """The configured codec, or raw while over half the in-flight budget waits (on_backlog)."""
-        if self.cfg.on_backlog == "raw" and self.cfg.codec != "raw" and self._budget.used * 2 > self._budget.limit:
+    def _codec_now(self, behind: bool) -> str:
+        """The configured codec, or raw when the writer is behind (on_backlog): the steps still
+        waiting for a thread would fill the budget before a compressing thread came back."""
+        if behind and self.cfg.on_backlog == "raw" and self.cfg.codec != "raw":
             return "raw"
         return self.cfg.codec
 
-    def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int]) -> None:
+    def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int],
+                    behind: bool = False) -> None:
         staged.ready()
-        codec = self._codec_now()
+        codec = self._codec_now(behind)
         written: Dict[str, Dict[str, Any]] = {}
         raw_total = file_total = 0
         common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
@@ -335,7 +351,9 @@ class ShardWriter:
             body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                                "pinned_allocs_in_forward": pool.hot_allocs,
                                                "forward_waited_s": round(self._budget.waited_s + pool.waited_s, 3),
-                                               "peak_inflight_bytes": self._budget.peak}}
+                                               "peak_inflight_bytes": self._budget.peak,
+                                               "inflight_budget_bytes": self._budget.limit,
+                                               "writer_threads": self.cfg.writer_threads}}
         if self.failure:
             body["last_failure"] = self.failure
         self._record.write_meta(body)

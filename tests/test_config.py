@@ -59,3 +59,19 @@ def test_writer_threads_follow_the_usable_cores_and_the_writers_on_the_host(monk
     assert config.default_writer_threads() == 2  # never fewer
     assert config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r"}).writer_threads == 0  # auto, sized at model load
     assert config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r", "HSCAP_WRITER_THREADS": "5"}).writer_threads == 5
+
+
+def test_the_auto_inflight_budget_lets_every_thread_hold_a_step_with_room_to_wait(monkeypatch):
+    def host(gib):
+        monkeypatch.setattr(config.os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (gib << 30) // 4096}[name])
+
+    step = 470 << 20  # one TP-8 H200's 8192-token DeepSeek-V3 step: 3 aux layers + final, bf16
+    host(2048)
+    assert config.inflight_budget(12, step) == 16 * step  # 4 GiB held 8 of them: 12 threads could not all compress
+    assert config.inflight_budget(2, step) == 4 << 30  # never below the old fixed 4 GiB
+    assert config.inflight_budget(12, 0) == 4 << 30  # step unknown (no chunked prefill size)
+    host(64)
+    assert config.inflight_budget(64, step) == 8 << 30  # at most an eighth of the host
+    host(16)
+    assert config.inflight_budget(12, step) == 4 << 30  # ... but never below 4 GiB
+    assert config.load({"HSCAP_DIR": "/tmp/x", "HSCAP_RUN_ID": "r"}).max_inflight_bytes == 0  # auto unless set

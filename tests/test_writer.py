@@ -256,3 +256,18 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
     with open(rank_meta_path(w.run_dir, w.rank)) as f:
         meta = json.load(f)
     assert meta["disk_bound"]["produced_gbps"] > 0 and meta["stats"]["steps_written"] == 5
+
+
+def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path):
+    from hs_capture.config import default_writer_threads, inflight_budget
+
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-auto", layers=[1, 2], fsync=False)
+    sizes = [8192 * 3 * 7168 * 2, 8192 * 7168 * 2, 8192 * 8, 8192 * 8]
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H}, step_sizes=sizes)
+    w.start()
+    assert w.close()
+    threads = default_writer_threads()
+    assert (w.cfg.writer_threads, w.cfg.max_inflight_bytes) == (threads, inflight_budget(threads, sum(sizes)))
+    with open(rank_meta_path(w.run_dir, w.rank)) as f:
+        stats = json.load(f)["stats"]
+    assert (stats["writer_threads"], stats["inflight_budget_bytes"]) == (threads, w.cfg.max_inflight_bytes)

@@ -3,8 +3,10 @@ the device tool on the H200; `device.sh offline` stages what it needs).
 
 A "forward" of 112 bf16 matmuls [8192, 7168] x [7168, 7168] (~140 ms: one TP-8 H200's share
 of an 8192-token DeepSeek-V3 prefill) produces SGLang 0.5.23's packed aux [8192, 3 x 7168]
-+ the final state + ids/positions: 470 MB a step, ~3.4 GB/s. Each step is synchronized, as a
-server's scheduler does. Phases, one process, one target dir each:
++ the final state + ids/positions: 470 MB a step, ~3.4 GB/s. Each step waits for its compute
+stream, as a server's scheduler does (SGLang waits on the batch's own stream/event, never on the
+whole device: torch.cuda.synchronize() would also wait for capture's copy stream, which runs off
+the critical path). Phases, one process, one target dir each:
   off (no capture) -> on (ShardWriter at the defaults: codec, level, threads, fsync,
   in-flight budget, backlog policy) for --seconds -> off again.
 A janitor deletes each step's files once its index line is written, so minutes of states
@@ -38,6 +40,7 @@ from hs_capture.layout import RankId, index_path  # noqa: E402
 from hs_capture.writer import ShardWriter  # noqa: E402
 
 LAYERS, MATMULS = [2, 30, 58], 112
+STEP_SIZES = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model computes at model init
 assert K == len(LAYERS)
 
 
@@ -103,7 +106,7 @@ def phase(forward, seconds: float, writer=None) -> List[float]:
         if writer is not None:
             writer.submit({"mode": "EXTEND", "num_tokens": T,
                            "seqs": [{"rid": f"r{i}", "len": T, "prefix": 0, "offset": 0}]}, out, aux_layers=LAYERS)
-        torch.cuda.synchronize()
+        torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t0)
         i += 1
     return times
@@ -118,10 +121,10 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
     overrides = {k: v for k, v in os.environ.items() if k.startswith("HSCAP_")}  # none: the defaults
     env = {**overrides, "HSCAP_DIR": root, "HSCAP_RUN_ID": "run-sustained", "HSCAP_LAYERS": ",".join(map(str, LAYERS))}
     cfg = config.load(env)  # every performance setting at its default unless overridden above
-    threads = cfg.writer_threads or config.default_writer_threads()
     os.makedirs(cfg.run_dir, exist_ok=True)
     off1 = phase(forward, off_seconds)
-    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H}, expected_rows=T)
+    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H}, expected_rows=T, step_sizes=STEP_SIZES)
+    cfg = w.cfg  # the auto settings (threads, budget) as the writer resolved them
     w.start()
     prewarm_and_wait(w, cfg.max_inflight_bytes, 60)  # what the hook does at model load
     janitor = Janitor(cfg.run_dir, RankId())
@@ -146,8 +149,8 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
     off = off1 + off2
     step_raw = T * 4 * H * 2 + 2 * T * 8  # aux + final bf16, ids + positions int64
     return {
-        "target": target, "overrides": overrides, "settings": {"codec": cfg.codec, "level": cfg.level, "writer_threads": threads,
-                                       "fsync": cfg.fsync, "inflight_GB": round(cfg.max_inflight_bytes / 2 ** 30, 1),
+        "target": target, "overrides": overrides, "settings": {"codec": cfg.codec, "level": cfg.level, "writer_threads": cfg.writer_threads,
+                                       "fsync": cfg.fsync, "inflight_GiB": round(cfg.max_inflight_bytes / 2 ** 30, 1),
                                        "on_full": cfg.on_full, "on_backlog": cfg.on_backlog},
         "seconds_on": round(on_wall, 1), "steps_on": len(on), "steps_off": len(off),
         "step_ms_off_mean": round(mean(off) * 1e3, 2), "step_ms_on_mean": round(mean(on) * 1e3, 2),
