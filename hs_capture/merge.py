@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .assemble import Assembler, Plan, plan
+from .assemble import AssembledSample, Assembler, Plan, plan
 from .attribution import unattributed, warmups
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
@@ -59,11 +59,14 @@ class MergeResult:
     left_out: Dict[str, str] = field(default_factory=dict)
     unattributed: List[str] = field(default_factory=list)
     settings: Dict[str, object] = field(default_factory=dict)  # the trainer's, matching the capture
+    dtypes: List[str] = field(default_factory=list)  # stored dtypes of the states written
+    warnings: List[str] = field(default_factory=list)  # about the output as a whole (printed, in the report)
 
     def add(self, other: "MergeResult") -> None:
         for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.incomplete.update(other.incomplete)
+        self.dtypes = sorted(set(self.dtypes) | set(other.dtypes))
 
 
 def _rows(p: Plan, ds: Optional[Inputs]) -> List[Tuple[int, str]]:
@@ -172,6 +175,12 @@ def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_byte
     _W.update(plan=p, out_dir=out_dir, fmt=fmt_name, ds=ds, asm=Assembler(p, cache_bytes))
 
 
+def _note_dtype(res: MergeResult, s: AssembledSample) -> None:
+    name = str(s.final.dtype).replace("torch.", "")
+    if name not in res.dtypes:
+        res.dtypes.append(name)
+
+
 def _work_files(items: List[Item]) -> MergeResult:
     """One file per sample (every format but the native one); a file that exists is done."""
     asm, ds = _W["asm"], _W["ds"]
@@ -191,6 +200,7 @@ def _work_files(items: List[Item]) -> MergeResult:
         res.written += 1
         res.tokens += len(s.input_ids)
         res.raw_bytes += s.raw_bytes
+        _note_dtype(res, s)
     res.bytes_in = asm.bytes_read - read0
     return res
 
@@ -212,6 +222,7 @@ def _work_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
                 res.written += 1
                 res.tokens += len(got[0].input_ids)
                 res.raw_bytes += got[0].raw_bytes
+                _note_dtype(res, got[0])
         if packed:
             res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
     res.bytes_in = asm.bytes_read - read0
@@ -289,6 +300,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
                     on_progress(total, len(mine))
     if packed:
         native.write_index(out_dir, p.layers, p.hidden_size, p.prenorm)
+    dtype_warning = training_format.dtype_warning(total.dtypes)
+    if dtype_warning:
+        total.warnings.append(dtype_warning)
     total.seconds = round(time.monotonic() - t0, 3)
     report = asdict(total)
     # what verify --reference needs to map aux blocks back to layers

@@ -253,6 +253,35 @@ def test_specforge_own_offline_reader_accepts_the_output(dump, tmp_path):
     assert sorted(got) == lengths
 
 
+def specforge_target_head(model_dir: str, tmp_path):
+    """SpecForge 0.2.0's own TargetHead (what its offline trainer multiplies the stored final
+    state by) from a tiny model dir; it needs a *.index.json, as real checkpoints have."""
+    from safetensors import safe_open
+    from specforge.modeling.target.target_head import TargetHead
+
+    d = tmp_path / "target"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        os.symlink(os.path.join(model_dir, name), d / name)
+    with safe_open(os.path.join(model_dir, "model.safetensors"), "pt") as f:
+        weight_map = {k: "model.safetensors" for k in f.keys()}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return TargetHead.from_pretrained(str(d))
+
+
+def test_merge_warns_when_specforge_cannot_train_on_the_captured_dtype(dump, tiny_model, tmp_path):
+    """A float32 capture: SpecForge's own target head (bf16 whatever its config says) cannot
+    take its states, and merge says so (bf16 dumps pass: test_reference_bf16)."""
+    out = str(tmp_path / "sf")
+    s = run_merge(dump["dir"], "-o", out, "--format", "specforge")
+    assert len(s["warnings"]) == 1 and "bfloat16" in s["warnings"][0] and "float32" in s["warnings"][0]
+    assert json.load(open(os.path.join(out, "merge_report.json")))["warnings"] == s["warnings"]
+    f = next(os.path.join(out, n) for n in sorted(os.listdir(out)) if n.endswith(".ckpt"))
+    with pytest.raises(RuntimeError, match="dtype"):
+        specforge_target_head(tiny_model, tmp_path)(torch.load(f)["hidden_state"])
+    assert run_merge(dump["dir"], "-o", str(tmp_path / "mo"), "--format", "modelopt")["warnings"] == []
+
+
 def test_specforge_own_manifest_reader_and_feature_loader_serve_the_output(dump, tmp_path):
     """SpecForge 0.2.0's OfflineManifestReader -> LocalFeatureStore -> FeatureDataLoader, the
     path its offline trainer takes, on merge's output: every sample, its tokens and mask."""

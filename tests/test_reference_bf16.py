@@ -78,3 +78,21 @@ def test_wrong_bf16_states_fail(bf16_dump):
         found = _judged(ref, [bad])
         assert found and any(m.startswith(where) for m in found), (where, found)
     assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
+
+
+def test_a_bf16_capture_merges_for_specforge_with_no_warning_and_its_target_head_takes_it(bf16_dump, tmp_path):
+    import os
+
+    import torch
+
+    from tests.test_merge import run_merge, specforge_target_head
+
+    out = str(tmp_path / "sf")
+    s = run_merge(bf16_dump["dump"], "-o", out, "--format", "specforge", "--dataset", bf16_dump["data"])
+    assert s["warnings"] == [] and s["written"] == len(bf16_dump["rows"])
+    head = specforge_target_head(bf16_dump["model"], tmp_path)
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".ckpt"):
+            hidden = torch.load(os.path.join(out, name))["hidden_state"]
+            assert hidden.dtype == torch.bfloat16
+            assert head(hidden).shape == (*hidden.shape[:2], head.vocab_size)

@@ -61,7 +61,7 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
                "unattributed": len(res.unattributed), "tokens": res.tokens,
                "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
                "seconds": res.seconds, "loss_mask": res.loss_mask_source,
-               "report": os.path.join(out_dir, REPORT), "settings": res.settings}
+               "report": os.path.join(out_dir, REPORT), "settings": res.settings, "warnings": res.warnings}
     if as_json:
         emit_json(summary)
         return
@@ -81,7 +81,9 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
         if res.recaptured:
             click.echo(f"hscap merge: warning: {len(res.recaptured)} samples were captured again in part (a retry or "
                        "a re-send); each was written from its whole capture (list in the report)", err=True)
+    for warning in res.warnings:  # even with --quiet: the output would not train
+        click.echo(f"hscap merge: warning: {warning}", err=True)
     if res.settings:
         click.echo(f"hscap merge: {res.format} settings for this capture (also in {SETTINGS}): "
                    + ", ".join(f"{k}={json.dumps(v)}" for k, v in res.settings.items()), err=True)
-    click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if k != "settings"))
+    click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if k not in ("settings", "warnings")))

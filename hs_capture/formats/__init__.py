@@ -27,6 +27,8 @@ class TrainingFormat:
     # convention, whether the dataset gave real loss masks) -> {setting: value}; merge writes
     # them to OUT/trainer_settings.json (each trainer numbers layers its own way: README table)
     settings: Optional[Callable[[Sequence[int], bool], Dict[str, object]]] = None
+    # the state dtypes the trainer computes with, and why: merge warns when the capture's differ
+    state_dtypes: Optional[Tuple[Tuple[str, ...], str]] = None
 
     def problem(self, prenorm: bool, layers: Sequence[int]) -> Optional[str]:
         """Why a dump with these settings cannot be written in this format, or None."""
@@ -35,6 +37,17 @@ class TrainingFormat:
         if self.aux_layers is not None and len(layers) != self.aux_layers:
             return f"{self.name} takes exactly {self.aux_layers} aux layers; the dump has {list(layers)}"
         return None
+
+    def dtype_warning(self, dtypes: Sequence[str]) -> Optional[str]:
+        """Why the trainer cannot use states of these stored dtypes, or None."""
+        if self.state_dtypes is None:
+            return None
+        takes, why = self.state_dtypes
+        other = sorted(set(dtypes) - set(takes))
+        if not other:
+            return None
+        return (f"{self.name}'s trainer takes {'/'.join(takes)} states ({why}); this capture is {'/'.join(other)}: "
+                f"capture with the server's --dtype {takes[0]}")
 
 
 from . import modelopt, native, specforge, speculators  # noqa: E402  (each module defines FORMAT)

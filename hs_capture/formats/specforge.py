@@ -39,7 +39,10 @@ def _format():
 
     return TrainingFormat("specforge", "SpecForge: <id>-<hash>.ckpt, one torch.save dict per sample",
                           lambda rid, row: sample_file_stem(rid) + ".ckpt", lambda name: stem_of(name, ".ckpt"),
-                          write, load, settings=settings)
+                          write, load, settings=settings,
+                          # 0.2.0's TargetHead casts the target's lm_head to bf16 whatever model.torch_dtype
+                          # says, and multiplies the stored final state by it
+                          state_dtypes=(("bfloat16",), "SpecForge 0.2.0's target head is bfloat16"))
 
 
 FORMAT = _format()
