@@ -248,69 +248,83 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     if problem:
         raise MergeError(problem)
     packed = training_format.file_name is None  # shards listed by an index (native), else a file per sample
-    work_dir = os.path.join(out_dir, native.SHARD_DIR) if packed else out_dir
-    os.makedirs(work_dir, exist_ok=True)
-    for name in os.listdir(work_dir):  # a killed merge's half-written files
-        if TEMP_MARK in name:
-            os.remove(os.path.join(work_dir, name))
+    _remove_temp_files(os.path.join(out_dir, native.SHARD_DIR) if packed else out_dir)
     i, n = shard
     rows = [(row, rid) for row, rid in _rows(p, ds) if row % n == i]
-    mine = [(row, rid) for row, rid in rows if rid in p.samples]
-    total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)",
-                        shard=f"{i}/{n}")
+    total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)", shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
     total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
     total.left_out.update(left_out)
     in_shard = {rid for _, rid in rows}
     total.unattributed = [rid for rid in unattributed(p, left_out) if rid in in_shard] if ds is None else []
-    mine = _step_order(p, mine)
+    mine = _step_order(p, [(row, rid) for row, rid in rows if rid in p.samples])
+    worker, tasks = _tasks(p, mine, packed, out_dir, shard, jobs)
     # each worker's cache holds at least the steps one sample crosses (a few full steps)
     per_job = max(cache_bytes // max(1, jobs), 2 * _step_raw_bytes(p))
-    if packed:
-        # shards are cut from the step order by size alone (never by -j): a re-run with any
-        # -j finds the same shards, and skips those that exist
-        shards = [(os.path.join(out_dir, native.shard_name(i, n, k)), b)
-                  for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
-        sizes = {path: sum(_raw_size(p, rid) for _, rid in items) for path, items in shards}
-        worker = _work_shards
-        tasks = _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
-    else:
-        worker = _work_files
-        # one process: small runs only pace the progress line (its cache carries over)
-        tasks = _cut(p, mine, 0) if jobs <= 1 else _balanced(p, mine, jobs)
-        if jobs <= 1:
-            tasks = [sum(tasks[k:k + 8], []) for k in range(0, len(tasks), 8)]
-    init = (p, out_dir, fmt_name, ds, per_job, jobs)
-    if jobs <= 1:
-        _init(*init)
-        try:
-            for r in map(worker, tasks):
-                total.add(r)
-                if on_progress:
-                    on_progress(total, len(mine))
-        finally:
-            _W.clear()
-    else:
-        # spawn, not fork: a forked torch process with live threads can deadlock
-        with ProcessPoolExecutor(min(jobs, max(1, len(tasks))), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_init, initargs=init) as pool:
-            for r in pool.map(worker, tasks):
-                total.add(r)
-                if on_progress:
-                    on_progress(total, len(mine))
+    _execute(worker, tasks, (p, out_dir, fmt_name, ds, per_job, jobs), jobs, total, len(mine), on_progress)
     if packed:
         native.write_index(out_dir, p.layers, p.hidden_size, p.prenorm)
     dtype_warning = training_format.dtype_warning(total.dtypes)
     if dtype_warning:
         total.warnings.append(dtype_warning)
     total.seconds = round(time.monotonic() - t0, 3)
-    report = asdict(total)
-    # what verify --reference needs to map aux blocks back to layers
-    report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
-    atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)
+    _write_reports(out_dir, total, p, training_format, ds)
+    return total
+
+
+def _remove_temp_files(work_dir: str) -> None:
+    """A killed merge's half-written files (a finished file is never a temp file)."""
+    os.makedirs(work_dir, exist_ok=True)
+    for name in os.listdir(work_dir):
+        if TEMP_MARK in name:
+            os.remove(os.path.join(work_dir, name))
+
+
+def _tasks(p: Plan, mine: List[Item], packed: bool, out_dir: str, shard: Tuple[int, int], jobs: int):
+    """The worker function and its tasks: step-ordered runs of samples, or of native shards."""
+    if packed:
+        # shards are cut from the step order by size alone (never by -j): a re-run with any
+        # -j finds the same shards, and skips those that exist
+        shards = [(os.path.join(out_dir, native.shard_name(*shard, k)), b)
+                  for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
+        sizes = {path: sum(_raw_size(p, rid) for _, rid in items) for path, items in shards}
+        return _work_shards, _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
+    if jobs > 1:
+        return _work_files, _balanced(p, mine, jobs)
+    # one process: small runs only pace the progress line (its cache carries over)
+    runs = _cut(p, mine, 0)
+    return _work_files, [sum(runs[k:k + 8], []) for k in range(0, len(runs), 8)]
+
+
+def _execute(worker, tasks, init: tuple, jobs: int, total: MergeResult, n_samples: int,
+             on_progress: Optional[Callable[[MergeResult, int], None]]) -> None:
+    if jobs <= 1:
+        _init(*init)
+        try:
+            for r in map(worker, tasks):
+                total.add(r)
+                if on_progress:
+                    on_progress(total, n_samples)
+        finally:
+            _W.clear()
+        return
+    # spawn, not fork: a forked torch process with live threads can deadlock
+    with ProcessPoolExecutor(min(jobs, max(1, len(tasks))), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_init, initargs=init) as pool:
+        for r in pool.map(worker, tasks):
+            total.add(r)
+            if on_progress:
+                on_progress(total, n_samples)
+
+
+def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs]) -> None:
+    """merge_report.json (what verify --reference needs to map aux blocks back to layers), and
+    the trainer's settings that match the capture."""
     if training_format.settings is not None:
         real_mask = ds is not None and any(m is not None for m in ds.masks.values())
         total.settings = training_format.settings(p.layers, real_mask)
-        doc = {"format": fmt_name, "captured_layers_entering": p.layers, "settings": total.settings}
+        doc = {"format": training_format.name, "captured_layers_entering": p.layers, "settings": total.settings}
         atomic_write(os.path.join(out_dir, SETTINGS), [json.dumps(doc, indent=1).encode()], fsync=False)
-    return total
+    report = asdict(total)
+    report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
+    atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)

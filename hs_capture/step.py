@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .layout import FINAL, PRENORM, part_name
-from .writer import dtype_name
+from .step_files import dtype_name
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],

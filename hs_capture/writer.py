@@ -14,7 +14,6 @@ writes cannot keep up the disk is the limit, and that is said once, with the rat
 from __future__ import annotations
 
 import errno
-import os
 import queue
 import threading
 import time
@@ -23,74 +22,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from . import files
-from . import format as fmt
+from .backlog import Backlog
 from .config import CaptureConfig, default_writer_threads, inflight_budget
-from .files import fsync_dir, remove_quietly
-from .layout import FINAL, RankId, part_name, step_file
+from .layout import RankId
 from .log import get_logger
 from .run_record import RunRecord
 from .staging import AsyncCopier, Staged, Stager
+from .step_files import INPUT_PARTS, remove_step_files, write_step_files
 
 log = get_logger()
-# The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
-# next batch while this step is still being copied: staging owns them first (staging.py).
-_INPUT_PARTS = ("tokens", "positions")
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                      torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _TORCH_DTYPE_NAMES[dtype]
-
-
-class _Budget:
-    """Bytes in flight between stage() and the index line. One oversize step may pass alone."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self.waited_s = 0.0  # time forwards spent held by back-pressure
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, block: bool) -> bool:
-        with self._cond:
-            if self.used and self.used + n > self.limit:
-                if not block:
-                    return False
-                t0 = time.monotonic()
-                while self.used and self.used + n > self.limit:
-                    self._cond.wait()
-                self.waited_s += time.monotonic() - t0
-            self.used += n
-            self.peak = max(self.peak, self.used)
-            return True
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
-class _Rates:
-    """Bytes produced (submitted) since the first step: the disk-bound report's rates."""
-
-    def __init__(self) -> None:
-        self.t0: Optional[float] = None
-        self.produced = 0
-
-    def note(self, nbytes: int) -> None:
-        if self.t0 is None:
-            self.t0 = time.monotonic()
-        self.produced += nbytes
-
-    def gbps(self, nbytes: int) -> float:
-        return nbytes / 1e9 / max(1e-9, time.monotonic() - (self.t0 or time.monotonic()))
-
-
-# Forwards held this long in total: the writer is behind even with raw writes.
-_DISK_BOUND_AFTER_S = 1.0
 
 
 class ShardWriter:
@@ -110,14 +50,12 @@ class ShardWriter:
         self.run_meta = dict(run_meta)
         self._step_sizes = list(step_sizes)
         self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
-        self._budget = _Budget(cfg.max_inflight_bytes)
-        self._waiting = 0  # bytes queued that no thread has picked up yet (under _stats_lock)
+        self._backlog = Backlog(cfg.max_inflight_bytes)
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._index_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self.stats = {"steps_written": 0, "steps_dropped": 0, "steps_failed": 0, "steps_written_raw": 0,
                       "tokens_written": 0, "raw_bytes": 0, "file_bytes": 0}
-        self._rates = _Rates()
         self._disk_bound_said = False
         self._threads: List[threading.Thread] = []
         self._closed = False
@@ -173,23 +111,21 @@ class ShardWriter:
         step = self._next_step
         self._next_step += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._rates.note(nbytes)
-        if not self._budget.acquire(nbytes, block=self.cfg.on_full == "block"):
+        if not self._backlog.admit(nbytes, block=self.cfg.on_full == "block"):
             self._drop(step, meta)
             return False
-        if not self._disk_bound_said and self._budget.waited_s > _DISK_BOUND_AFTER_S:
+        if not self._disk_bound_said and self._backlog.held_too_long():
             self._say_disk_bound()
         try:
-            staged = self._stager.stage(tensors, inputs=_INPUT_PARTS, block=self.cfg.on_full == "block")
+            staged = self._stager.stage(tensors, inputs=INPUT_PARTS, block=self.cfg.on_full == "block")
         except BaseException:
-            self._budget.release(nbytes)
+            self._backlog.done(nbytes)
             raise
         if staged is None:  # every pinned buffer in flight, and the policy is drop
-            self._budget.release(nbytes)
+            self._backlog.done(nbytes)
             self._drop(step, meta)
             return False
-        with self._stats_lock:
-            self._waiting += staged.nbytes
+        self._backlog.queued(staged.nbytes)
         self._queue.put((step, meta, staged, aux_layers or []))
         return True
 
@@ -199,9 +135,7 @@ class ShardWriter:
         with self._stats_lock:
             raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
                                    self.stats["steps_written"])
-            rates = {"time": time.time(), "forward_waited_s": round(self._budget.waited_s, 3),
-                     "produced_gbps": round(self._rates.gbps(self._rates.produced), 4),
-                     "written_gbps": round(self._rates.gbps(raw), 4), "to_disk_gbps": round(self._rates.gbps(disk), 4)}
+            rates = self._backlog.rates(raw, disk)
             self.run_meta["disk_bound"] = rates
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
@@ -223,9 +157,7 @@ class ShardWriter:
             if job is None:
                 return
             step, meta, staged, aux_layers = job
-            with self._stats_lock:
-                self._waiting -= staged.nbytes
-                behind = self._waiting * 4 > self._budget.limit
+            behind = self._backlog.picked(staged.nbytes)
             try:
                 if self.stopped:
                     continue  # queued before the stop: released below, never written
@@ -243,7 +175,7 @@ class ShardWriter:
                 self._failed(step, e)
             finally:
                 self._stager.release(staged)
-                self._budget.release(staged.nbytes)
+                self._backlog.done(staged.nbytes)
 
     def _failed(self, step: int, e: BaseException) -> None:
         self._count("steps_failed")
@@ -267,17 +199,6 @@ class ShardWriter:
         except OSError as e:
             log.error("ERROR: rank %s: could not record the stop in the run metadata: %s", self.rank.tag, e)
 
-    def _parts(self, staged: Staged, aux_layers: List[int]) -> Dict[str, torch.Tensor]:
-        parts = {}
-        for name, t in staged.tensors.items():
-            if name == "aux":
-                width = t.shape[-1] // max(1, len(aux_layers))
-                for j, layer in enumerate(aux_layers):
-                    parts[part_name(layer)] = t[..., j * width:(j + 1) * width]  # a view: encoded in place
-            else:
-                parts[name] = t
-        return parts
-
     def prewarm(self, sizes: Optional[List[int]] = None) -> None:
         """Pin host buffers for full-size steps (default: step_sizes) ahead of the first one (CUDA only)."""
         sizes = self._step_sizes if sizes is None else sizes
@@ -293,41 +214,16 @@ class ShardWriter:
 
     def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int],
                     behind: bool = False) -> None:
+        """The step's files, then its index line: the commit (a step not indexed was never written)."""
         staged.ready()
         codec = self._codec_now(behind)
-        written: Dict[str, Dict[str, Any]] = {}
-        raw_total = file_total = 0
-        common = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
-        dirs = set()
-        for part, t in self._parts(staged, aux_layers).items():
-            if part in _INPUT_PARTS:
-                continue  # stored beside the final state, below
-            rel = step_file(self.rank, step, part)
-            tensors = [fmt.RawTensor("hidden", dtype_name(t.dtype), list(t.shape), _bytes_of(t))]
-            if part == FINAL:
-                tensors.append(fmt.RawTensor("input_ids", dtype_name(staged.tensors["tokens"].dtype),
-                                             list(staged.tensors["tokens"].shape), _bytes_of(staged.tensors["tokens"])))
-                tensors.append(fmt.RawTensor("positions", dtype_name(staged.tensors["positions"].dtype),
-                                             list(staged.tensors["positions"].shape), _bytes_of(staged.tensors["positions"])))
-            path = os.path.join(self.run_dir, rel)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            dirs.add(os.path.dirname(path))
-            chunks = fmt.encode_file(tensors, {**common, "part": part}, codec, self.cfg.level)
-            try:
-                size = files.atomic_write(path, chunks, self.cfg.fsync)
-            except BaseException:
-                remove_quietly(os.path.join(self.run_dir, f["path"]) for f in written.values())
-                raise
-            written[part] = {"path": rel, "bytes": size}
-            raw_total += sum(x.data.nbytes for x in tensors)
-            file_total += size
-        if self.cfg.fsync:
-            for d in dirs:
-                fsync_dir(d)
+        header = {"run_id": self.cfg.run_id, "rank": self.rank.tag, "step": str(step)}
+        written, raw_total, file_total = write_step_files(self.run_dir, self.rank, step, header, staged.tensors,
+                                                          aux_layers, codec, self.cfg.level, self.cfg.fsync)
         try:
             self._append_index({**meta, "step": step, "files": written, "time": time.time()})
         except BaseException:  # not indexed: not committed, so leave no files that look written
-            remove_quietly(os.path.join(self.run_dir, f["path"]) for f in written.values())
+            remove_step_files(self.run_dir, written)
             raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
@@ -350,22 +246,11 @@ class ShardWriter:
         with self._stats_lock:
             body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                                "pinned_allocs_in_forward": pool.hot_allocs,
-                                               "forward_waited_s": round(self._budget.waited_s + pool.waited_s, 3),
-                                               "peak_inflight_bytes": self._budget.peak,
-                                               "inflight_budget_bytes": self._budget.limit,
+                                               "forward_waited_s": round(self._backlog.budget.waited_s + pool.waited_s, 3),
+                                               "peak_inflight_bytes": self._backlog.budget.peak,
+                                               "inflight_budget_bytes": self._backlog.budget.limit,
                                                "writer_threads": self.cfg.writer_threads}}
         if self.failure:
             body["last_failure"] = self.failure
         self._record.write_meta(body)
 
-
-def _bytes_of(t: torch.Tensor):
-    """The tensor's bytes without a copy: a buffer, or for a column block of a 2-D tensor
-    (rows contiguous, not adjacent) a 2-D uint8 array that format.encode_file reads row-wise."""
-    if not t.numel():
-        return memoryview(b"")
-    if t.is_contiguous():
-        return memoryview(t.view(torch.uint8).numpy())
-    if t.dim() == 2 and t.stride(-1) == 1:
-        return t.view(torch.uint8).numpy()
-    return memoryview(t.contiguous().view(torch.uint8).numpy())

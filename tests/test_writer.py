@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hs_capture import files as files_mod
+from hs_capture import backlog as backlog_mod
 from hs_capture import writer as writer_mod
 from hs_capture.config import CaptureConfig
 from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
@@ -245,7 +246,7 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
     w = make_writer(tmp_path, max_inflight_bytes=int(one_step * 1.5), writer_threads=1)
     real = files_mod.atomic_write
     monkeypatch.setattr(files_mod, "atomic_write", lambda p, c, f: (time.sleep(0.25), real(p, c, f))[1])
-    monkeypatch.setattr(writer_mod, "_DISK_BOUND_AFTER_S", 0.3)
+    monkeypatch.setattr(backlog_mod, "DISK_BOUND_AFTER_S", 0.3)
     logged = []
     monkeypatch.setattr(writer_mod.log, "warning", lambda msg, *a: logged.append(msg % a))
     for k in range(5):
