@@ -14,7 +14,7 @@ LOG="$VENV/pip-resolver-notes.log"
 # pip's resolver lists the deps of the --no-deps packages that are deliberately not installed
 # (sglang's CUDA kernels, the trainers' GPU stacks) as an "ERROR" after every later install:
 # expected here, so kept in $LOG; any real failure still stops the script with pip's output.
-pip() {
+pip() {  # in $VENV
   local err; err=$(mktemp)
   if ! "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>"$err"; then
     cat "$err" >&2; rm -f "$err"; return 1
@@ -28,6 +28,13 @@ pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
 pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 nvidia-modelopt==0.47.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
+# ModelOpt's training step runs in an overlay of this venv (its draft needs transformers < 5.15):
+# a venv that sees .venv's packages through a .pth, with requirements/modelopt-overlay.txt on top
+MO=${MODELOPT_VENV:-.venvs/modelopt}
+[ -x "$MO/bin/python" ] || "$PY" -m venv "$MO"
+"$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+  > "$("$MO/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_suite_venv.pth"
+VENV=$MO pip install --no-deps -r requirements/modelopt-overlay.txt
 n=$(grep -c "which is not installed\|but you have" "$LOG" || true)
 [ "$n" = 0 ] || echo "note: $n dependencies of the --no-deps packages are left out on purpose (CUDA-only); pip's list: $LOG"
 echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)'))"
