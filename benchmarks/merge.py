@@ -100,6 +100,15 @@ def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
             "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3), "peak_rss_MB_per_process": peak}
 
 
+def write_results(out: str, where: str, dump: str, results: list, **extra: str) -> None:
+    """The results file: when, on what machine and disk, which dump, then every run's figures."""
+    doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
+           "dir": where or tempfile.gettempdir(), "dump": dump, **extra, "results": results}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
@@ -124,15 +133,9 @@ def main() -> None:
                 results.append(res)
                 print(json.dumps(res), flush=True)
                 shutil.rmtree(out)
-        doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
-               "dir": a.dir or tempfile.gettempdir(),
-               "dump": f"{a.steps} steps x {a.step_tokens} tokens, H={H}, layers {LAYERS} + final, bf16 with outlier "
-                       f"channels, {samples} whole samples of 64..4095 tokens, bytegroup level 1; "
-                       f"{size / 1e9:.2f} GB on disk, written in {made:.1f}s",
-               "results": results}
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        write_results(a.out, a.dir, f"{a.steps} steps x {a.step_tokens} tokens, H={H}, layers {LAYERS} + final, bf16 "
+                      f"with outlier channels, {samples} whole samples of 64..4095 tokens, bytegroup level 1; "
+                      f"{size / 1e9:.2f} GB on disk, written in {made:.1f}s", results)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -10,16 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from merge import H, STEP, run_hscap, synthetic_dump  # noqa: E402
+from merge import H, STEP, run_hscap, synthetic_dump, write_results  # noqa: E402
 
 
 def run_verify(dump: str, step_tokens: int, *args: str) -> dict:
@@ -48,15 +46,9 @@ def main() -> None:
             res = run_verify(dump, a.step_tokens, *args)
             results.append(res)
             print(json.dumps(res), flush=True)
-        doc = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()}, {os.cpu_count()} cpus",
-               "dir": a.dir or tempfile.gettempdir(),
-               "dump": f"{a.steps} steps x {a.step_tokens} tokens, H={H}, 3 layers + final, bf16 with outlier channels, "
-                       f"{samples} whole samples, bytegroup level 1 (benchmarks/merge.py's synthetic_dump)",
-               "note": "peak_rss_MB: VmHWM of the verify process, reset at its start",
-               "results": results}
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        write_results(a.out, a.dir, f"{a.steps} steps x {a.step_tokens} tokens, H={H}, 3 layers + final, bf16 with "
+                      f"outlier channels, {samples} whole samples, bytegroup level 1 (benchmarks/merge.py's "
+                      "synthetic_dump)", results, note="peak_rss_MB: VmHWM of the verify process, reset at its start")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
