@@ -237,7 +237,8 @@ def test_the_backlog_policy_decides_whether_a_waiting_step_goes_raw(tmp_path, mo
         w.submit(*step(f"r{k}", 200), aux_layers=[1, 2])
     gate.open.set()
     assert w.close()
-    # r1 starts with 3 steps in flight of a 4.5-step budget (over half), r2 with 2, r3 with 1
+    # when r1 is picked up r2 and r3 still wait (2 steps: over a quarter of the 4.5-step budget): raw;
+    # when r2 is, only r3 waits (1 step: under a quarter); r3 finds none waiting
     assert w.stats["steps_written"] == 4 and w.stats["steps_written_raw"] == raw_steps
 
 
