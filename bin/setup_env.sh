@@ -28,7 +28,7 @@ pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
 pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 nvidia-modelopt==0.47.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
-# ModelOpt's training step runs in an overlay of this venv (its draft needs transformers < 5.15):
+# ModelOpt's training step runs in an overlay of this venv (its draft needs transformers < 5.19):
 # a venv that sees .venv's packages through a .pth, with requirements/modelopt-overlay.txt on top
 MO=${MODELOPT_VENV:-.venvs/modelopt}
 [ -x "$MO/bin/python" ] || "$PY" -m venv "$MO"

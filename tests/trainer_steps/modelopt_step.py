@@ -2,7 +2,7 @@
 output, on the CPU, with the settings merge wrote (trainer_settings.json): its
 load_vlm_or_llm(use_offline_training=True) -> mtsp.convert(eagle, eagle_offline) ->
 OfflineSupervisedDataset -> EagleOfflineDataCollator -> forward, backward, AdamW step.
-Run by the ModelOpt overlay venv (.venvs/modelopt: its draft needs transformers < 5.15).
+Run by the ModelOpt overlay venv (.venvs/modelopt: its draft needs transformers < 5.19).
 Prints one JSON line: the losses of each step on one batch, and how many trainable tensors the
 first step changed.
 
