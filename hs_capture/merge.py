@@ -23,6 +23,7 @@ from .assemble import AssembledSample, Assembler, Plan, plan
 from .attribution import unattributed, warmups
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
+from .formats.common import dtype_name
 from .config import usable_cores
 from .heap import keep_large_buffers
 from .inputs import BadLine, Inputs, load_inputs
@@ -176,7 +177,7 @@ def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_byte
 
 
 def _note_dtype(res: MergeResult, s: AssembledSample) -> None:
-    name = str(s.final.dtype).replace("torch.", "")
+    name = dtype_name(s.final)
     if name not in res.dtypes:
         res.dtypes.append(name)
 
@@ -298,23 +299,23 @@ def _tasks(p: Plan, mine: List[Item], packed: bool, out_dir: str, shard: Tuple[i
 
 def _execute(worker, tasks, init: tuple, jobs: int, total: MergeResult, n_samples: int,
              on_progress: Optional[Callable[[MergeResult, int], None]]) -> None:
+    def collect(results) -> None:
+        for r in results:
+            total.add(r)
+            if on_progress:
+                on_progress(total, n_samples)
+
     if jobs <= 1:
         _init(*init)
         try:
-            for r in map(worker, tasks):
-                total.add(r)
-                if on_progress:
-                    on_progress(total, n_samples)
+            collect(map(worker, tasks))
         finally:
             _W.clear()
         return
     # spawn, not fork: a forked torch process with live threads can deadlock
     with ProcessPoolExecutor(min(jobs, max(1, len(tasks))), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_init, initargs=init) as pool:
-        for r in pool.map(worker, tasks):
-            total.add(r)
-            if on_progress:
-                on_progress(total, n_samples)
+        collect(pool.map(worker, tasks))
 
 
 def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs]) -> None:

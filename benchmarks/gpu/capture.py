@@ -37,6 +37,7 @@ from hs_capture.staging import step_buffer_bytes  # noqa: E402
 from hs_capture.writer import ShardWriter  # noqa: E402
 
 T, H, K = 8192, 7168, 3
+STEP_SIZES = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model computes at model init
 
 
 def llm_like(t: int, h: int, gen: torch.Generator) -> torch.Tensor:
@@ -60,10 +61,9 @@ def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 
 def prewarm_and_wait(w: ShardWriter, inflight: int, timeout_s: float) -> None:
     """Pin the pool for full steps as capture.setup_model does at model init, and wait until
     the in-flight budget is pinned (there is ample time before the first request)."""
-    sizes = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model asks for at model init
-    w.prewarm(sizes)
+    w.prewarm(STEP_SIZES)
     deadline = time.time() + timeout_s
-    step = w.pinned_pool.rounded(step_buffer_bytes(sizes))  # what prewarm pins: whole steps, one buffer each
+    step = w.pinned_pool.rounded(step_buffer_bytes(STEP_SIZES))  # what prewarm pins: whole steps, one buffer each
     while w.pinned_pool.pinned_bytes < inflight // step * step and time.time() < deadline:
         time.sleep(0.1)
 
