@@ -77,15 +77,17 @@ class Backlog:
     def done(self, nbytes: int) -> None:
         self.budget.release(nbytes)
 
-    def held_too_long(self) -> bool:
-        return self.budget.waited_s > DISK_BOUND_AFTER_S
+    @staticmethod
+    def held_too_long(waited_s: float) -> bool:
+        """waited_s: every wait of the forwards (the budget's and the pinned buffers')."""
+        return waited_s > DISK_BOUND_AFTER_S
 
     def gbps(self, nbytes: int) -> float:
         """nbytes over the time since the first step, in GB/s."""
         return nbytes / 1e9 / max(1e-9, time.monotonic() - (self._t0 or time.monotonic()))
 
-    def rates(self, written_raw: int, to_disk: int) -> Dict[str, float]:
+    def rates(self, written_raw: int, to_disk: int, waited_s: float) -> Dict[str, float]:
         """What the disk-bound report says: forwards held, produced, written and on-disk rates."""
-        return {"time": time.time(), "forward_waited_s": round(self.budget.waited_s, 3),
+        return {"time": time.time(), "forward_waited_s": round(waited_s, 3),
                 "produced_gbps": round(self.gbps(self.produced), 4), "written_gbps": round(self.gbps(written_raw), 4),
                 "to_disk_gbps": round(self.gbps(to_disk), 4)}

@@ -114,7 +114,7 @@ class ShardWriter:
         if not self._backlog.admit(nbytes, block=self.cfg.on_full == "block"):
             self._drop(step, meta)
             return False
-        if not self._disk_bound_said and self._backlog.held_too_long():
+        if not self._disk_bound_said and self._backlog.held_too_long(self._forward_waited_s()):
             self._say_disk_bound()
         try:
             staged = self._stager.stage(tensors, inputs=INPUT_PARTS, block=self.cfg.on_full == "block")
@@ -129,13 +129,18 @@ class ShardWriter:
         self._queue.put((step, meta, staged, aux_layers or []))
         return True
 
+    def _forward_waited_s(self) -> float:
+        # a forward is held by the budget, or by every pinned buffer being in flight (the
+        # buffers come back only once their step is on disk): both are the writer's pace
+        return self._backlog.budget.waited_s + self._stager.pool.waited_s
+
     def _say_disk_bound(self) -> None:
         """Once, loudly: the writer held forwards although it writes raw when behind."""
         self._disk_bound_said = True
         with self._stats_lock:
             raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
                                    self.stats["steps_written"])
-            rates = self._backlog.rates(raw, disk)
+            rates = self._backlog.rates(raw, disk, self._forward_waited_s())
             self.run_meta["disk_bound"] = rates
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
@@ -246,7 +251,7 @@ class ShardWriter:
         with self._stats_lock:
             body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                                "pinned_allocs_in_forward": pool.hot_allocs,
-                                               "forward_waited_s": round(self._backlog.budget.waited_s + pool.waited_s, 3),
+                                               "forward_waited_s": round(self._forward_waited_s(), 3),
                                                "peak_inflight_bytes": self._backlog.budget.peak,
                                                "inflight_budget_bytes": self._backlog.budget.limit,
                                                "writer_threads": self.cfg.writer_threads}}

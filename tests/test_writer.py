@@ -260,6 +260,19 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
     assert meta["disk_bound"]["produced_gbps"] > 0 and meta["stats"]["steps_written"] == 5
 
 
+def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
+    # On the H200's disk the forwards waited for pinned buffers (each comes back only once its
+    # step is on disk; CPU tensors here take no pinned buffer, so the wait is set as the pool
+    # records it), not for the budget: 17 s held and no report. Both waits count.
+    w = make_writer(tmp_path)
+    w._stager.pool.waited_s = 2.0
+    w.submit(*step("r0", 100), aux_layers=[1, 2])
+    assert w.close()
+    with open(rank_meta_path(w.run_dir, w.rank)) as f:
+        meta = json.load(f)
+    assert meta["disk_bound"]["forward_waited_s"] >= 2.0 and meta["stats"]["forward_waited_s"] >= 2.0
+
+
 def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path):
     from hs_capture.config import default_writer_threads, inflight_budget
 
