@@ -2,8 +2,15 @@
 realistic shape: H = 7168, 3 captured layers + final, bf16 with LLM-like outlier channels,
 mixed sample lengths batched into 8192-token steps, written by the real ShardWriter.
 
-usage: python benchmarks/merge.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR] [--out FILE]
-(--dir: where the dump and outputs go, e.g. /dev/shm to take the disk out of the figure)
+usage: python benchmarks/merge.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR]
+                                  [--dump DIR] [--prefault-gb N] [--out FILE]
+--dir: where the dump and outputs go, e.g. /dev/shm to take the disk out of the figure.
+--dump: keep the dump there, or reuse the one already there (benchmarks/verify.py takes it).
+--prefault-gb: write and delete N GB in --dir first, so a freshly booted VM's first touch of
+  its memory (2-10x slower than reused memory) is not charged to the first run measured.
+Figures include each run's process start (hscap in a fresh process) and are only steady-
+state when the dump is large beside it: a -j N run decodes about N - 1 steps twice (where
+two workers' runs meet), so bytes read ~ (steps + N - 1) / steps of the dump.
 """
 
 from __future__ import annotations
@@ -32,16 +39,20 @@ from hs_capture.writer import ShardWriter  # noqa: E402
 H, LAYERS, STEP = 7168, [2, 30, 58], 8192
 
 
-def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP) -> int:
+def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP, threads: int = 4,
+                   distinct: int = 4) -> int:
     """Returns the number of samples. Lengths 64..4096, packed into steps like SGLang's
-    chunked prefill (a sample may continue in the next step)."""
+    chunked prefill (a sample may continue in the next step). The states of `distinct` steps
+    are generated and cycled (random generation, not writing, was most of a large dump's time);
+    token ids and positions are each step's own."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    cfg = CaptureConfig(dump_dir=root, run_id="run-bench", layers=LAYERS, writer_threads=4, fsync=False)
+    cfg = CaptureConfig(dump_dir=root, run_id="run-bench", layers=LAYERS, writer_threads=threads, fsync=False)
     w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H, "num_layers": 61, "prenorm": False})
     w.start()
     outliers = torch.randperm(H, generator=g)[:16]
     rid, left, pos = 0, rng.randrange(64, 4096), 0
+    made, seqs_seen = [], []
     for _ in range(steps):
         seqs, t = [], 0
         while t < step_tokens:
@@ -56,7 +67,11 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
             x.view(step_tokens, k, H)[:, :, outliers] *= 50
             return x.to(torch.bfloat16)
 
-        tensors = {"aux": states(3), "final": states(1),
+        if len(made) < distinct:
+            made.append((states(3), states(1)))
+        aux, final = made[len(seqs_seen) % len(made)]
+        seqs_seen.append(len(seqs))
+        tensors = {"aux": aux, "final": final,
                    "tokens": torch.randint(0, 100000, (step_tokens,), generator=g),
                    "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
         w.submit({"mode": "EXTEND", "num_tokens": step_tokens, "seqs": seqs}, tensors, aux_layers=LAYERS)
@@ -66,13 +81,12 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
 
 # A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec, and
 # the benchmark holds the synthetic tensors): the child resets it first (clear_refs 5) and
-# reports its VmHWM at the end, or its worker processes' peak (-j) if larger.
-_WITH_PEAK = ("import json, resource, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
+# reports its VmHWM at the end. Worker processes (-j) report their own through hscap's JSON.
+_WITH_PEAK = ("import json, sys\nopen('/proc/self/clear_refs', 'w').write('5')\n"
               "from hs_capture.cli import main; sys.argv = ['hscap'] + sys.argv[1:]\n"
               "try:\n    main()\nfinally:\n"
               "    import re; r = int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-              "    c = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-              "    print(json.dumps({'peak_rss_mb': round(max(r, c) / 1024)}), file=sys.stderr)")
+              "    print(json.dumps({'peak_rss_mb': round(r / 1024)}), file=sys.stderr)")
 
 
 def run_hscap(*args: str) -> Tuple[dict, int, float, int]:
@@ -97,7 +111,8 @@ def run_merge(dump: str, out: str, fmt: str, jobs: int) -> dict:
             "wall_s": round(wall, 2), "GBps_raw": round(summary["raw_bytes"] / 1e9 / wall, 3),
             "bytes_in_GB": round(summary["bytes_in"] / 1e9, 3),
             "read_amplification": round(summary["bytes_in"] / dump_bytes(dump), 3),
-            "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3), "peak_rss_MB_per_process": peak}
+            "bytes_out_GB": round(summary["bytes_out"] / 1e9, 3), "peak_rss_MB_main": peak,
+            "peak_rss_MB_per_worker": summary["worker_peak_rss_mb"]}
 
 
 def write_results(out: str, where: str, dump: str, results: list, **extra: str) -> None:
@@ -109,21 +124,50 @@ def write_results(out: str, where: str, dump: str, results: list, **extra: str) 
         f.write("\n")
 
 
+def prefault(where: str, gb: float) -> None:
+    """Write and delete `gb` GB in `where` from every core at once (see --prefault-gb)."""
+    if gb <= 0:
+        return
+    cores = len(os.sched_getaffinity(0))
+    each = int(gb * 1e9 / cores)
+    code = ("import os, sys; p = sys.argv[1]; b = bytes(1 << 24); f = open(p, 'wb')\n"
+            "for _ in range(int(sys.argv[2]) >> 24): f.write(b)\nf.close(); os.remove(p)")
+    ps = [subprocess.Popen([sys.executable, "-c", code, os.path.join(where, f"prefault-{k}"), str(each)])
+          for k in range(cores)]
+    for p in ps:
+        p.wait()
+
+
+def make_or_reuse(dump: str, steps: int, step_tokens: int) -> Tuple[int, float]:
+    """(whole samples, seconds to make it): a dump already at `dump` is reused as it is."""
+    marker = os.path.join(dump, "bench.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            return json.load(f)["samples"], 0.0
+    t0 = time.perf_counter()
+    samples = synthetic_dump(dump, steps, step_tokens=step_tokens, threads=len(os.sched_getaffinity(0)))
+    made = time.perf_counter() - t0
+    with open(marker, "w") as f:
+        json.dump({"samples": samples, "steps": steps, "step_tokens": step_tokens}, f)
+    return samples, made
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--step-tokens", type=int, default=STEP)
     p.add_argument("--dir", default=None)
+    p.add_argument("--dump", default=None)
+    p.add_argument("--prefault-gb", type=float, default=0)
     p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--formats", nargs="+", default=["specforge", "hscap"])
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "merge.results.json"))
     a = p.parse_args()
+    prefault(a.dir or tempfile.gettempdir(), a.prefault_gb)
     work = tempfile.mkdtemp(prefix="hscap-merge-bench-", dir=a.dir)
     try:
-        dump = os.path.join(work, "dump")
-        t0 = time.perf_counter()
-        samples = synthetic_dump(dump, a.steps, step_tokens=a.step_tokens)
-        made = time.perf_counter() - t0
+        dump = a.dump or os.path.join(work, "dump")
+        samples, made = make_or_reuse(dump, a.steps, a.step_tokens)
         size = dump_bytes(dump)
         results = []
         for fmt in a.formats:
@@ -135,7 +179,8 @@ def main() -> None:
                 shutil.rmtree(out)
         write_results(a.out, a.dir, f"{a.steps} steps x {a.step_tokens} tokens, H={H}, layers {LAYERS} + final, bf16 "
                       f"with outlier channels, {samples} whole samples of 64..4095 tokens, bytegroup level 1; "
-                      f"{size / 1e9:.2f} GB on disk, written in {made:.1f}s", results)
+                      f"{size / 1e9:.2f} GB on disk, written in {made:.1f}s", results,
+                      prefault_GB=str(a.prefault_gb), cores=str(len(os.sched_getaffinity(0))))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -2,7 +2,9 @@
 synthetic dump as benchmarks/merge.py (H = 7168, 3 layers + final, bf16, 8192-token steps):
 full decode at -j 1 and -j 2, and a --sample pass.
 
-usage: python benchmarks/verify.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR] [--out FILE]
+usage: python benchmarks/verify.py [--steps 8] [--step-tokens 8192] [--jobs 1 2] [--dir DIR]
+                                   [--dump DIR] [--prefault-gb N] [--out FILE]
+(--dump, --prefault-gb: as in benchmarks/merge.py; a dump merge.py kept there is reused)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from merge import H, STEP, run_hscap, synthetic_dump, write_results  # noqa: E402
+from merge import H, STEP, make_or_reuse, prefault, run_hscap, write_results  # noqa: E402
 
 
 def run_verify(dump: str, step_tokens: int, *args: str) -> dict:
@@ -26,7 +28,8 @@ def run_verify(dump: str, step_tokens: int, *args: str) -> dict:
     raw = st["steps_decoded"] * step_tokens * H * 4 * 2  # 3 layers + final, bf16
     return {"args": " ".join(args), "ok": doc["ok"], "exit": rc, "steps_decoded": st["steps_decoded"],
             "raw_GB": round(raw / 1e9, 3), "file_GB": round(st["bytes_read"] / 1e9, 3), "wall_s": round(wall, 2),
-            "GBps_raw": round(raw / 1e9 / wall, 3), "peak_rss_MB": peak}
+            "GBps_raw": round(raw / 1e9 / wall, 3), "peak_rss_MB_main": peak,
+            "peak_rss_MB_per_worker": st.get("worker_peak_rss_mb")}
 
 
 def main() -> None:
@@ -35,12 +38,18 @@ def main() -> None:
     p.add_argument("--step-tokens", type=int, default=STEP)
     p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--dir", default=None)
+    p.add_argument("--dump", default=None)
+    p.add_argument("--prefault-gb", type=float, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "verify.results.json"))
     a = p.parse_args()
+    prefault(a.dir or tempfile.gettempdir(), a.prefault_gb)
     work = tempfile.mkdtemp(prefix="hscap-verify-bench-", dir=a.dir)
     try:
-        dump = os.path.join(work, "dump")
-        samples = synthetic_dump(dump, a.steps, step_tokens=a.step_tokens)
+        dump = a.dump or os.path.join(work, "dump")
+        samples, _ = make_or_reuse(dump, a.steps, a.step_tokens)
+        with open(os.path.join(dump, "bench.json")) as f:
+            made = json.load(f)
+        a.steps, a.step_tokens = made["steps"], made["step_tokens"]
         results = []
         for args in [["-j", str(j)] for j in a.jobs] + [["-j", str(a.jobs[-1]), "--sample", "2"]]:
             res = run_verify(dump, a.step_tokens, *args)
@@ -48,7 +57,9 @@ def main() -> None:
             print(json.dumps(res), flush=True)
         write_results(a.out, a.dir, f"{a.steps} steps x {a.step_tokens} tokens, H={H}, 3 layers + final, bf16 with "
                       f"outlier channels, {samples} whole samples, bytegroup level 1 (benchmarks/merge.py's "
-                      "synthetic_dump)", results, note="peak_rss_MB: VmHWM of the verify process, reset at its start")
+                      "synthetic_dump)", results, cores=str(len(os.sched_getaffinity(0))), prefault_GB=str(a.prefault_gb),
+                      note="peak_rss_MB_main: VmHWM of the verify process, reset at its start; per_worker: the "
+                      "largest worker process's (with -j 1 the steps are checked in the main process)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -1,6 +1,6 @@
 """Which captured requests are a user's. A merge without --dataset takes every captured rid;
 some are not training data:
-  - SGLang's health checks (rid HEALTH_CHECK_...): never planned (assemble.plan);
+  - SGLang's health checks (rid HEALTH_CHECK_...): never planned (planning.plan);
   - SGLang's startup warmup (a 3-token or one-sentence prompt, rid = uuid4().hex, the first
     prefill of every writing rank; `hscap serve` turns it off with --skip-server-warmup):
     left out, and said;
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List
 
-from .assemble import Plan
+from .planning import Plan
 
 _GENERATED = re.compile(r"[0-9a-f]{32}")  # uuid.uuid4().hex: SGLang's rid when the client sent none
 WARMUP = "SGLang's startup warmup request (the rank's first prefill, an id SGLang generated); not user data"

@@ -1,6 +1,6 @@
 """The one completeness rule: when a request's captured pieces make it whole, and which pieces
 are used. `hscap send` (what to skip on resume), `hscap merge` and `hscap verify` (through
-assemble.plan) all judge by `whole_chain`, so they never disagree about a sample.
+planning.plan) all judge by `whole_chain`, so they never disagree about a sample.
 
 A piece is one step's rows of one request: positions [start, end), from one run and rank.
 A request is whole when a chain of pieces, each starting where the previous one ended,

@@ -10,29 +10,24 @@ that exists is done (writes are atomic); leftover temp files are removed first.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-from .assemble import AssembledSample, Assembler, Plan, plan
+from . import procs
 from .attribution import unattributed, warmups
 from .files import atomic_write
 from .formats import FORMATS, NAMES, native
-from .formats.common import dtype_name
-from .config import usable_cores
-from .heap import keep_large_buffers
 from .inputs import BadLine, Inputs, load_inputs
 from .layout import MERGE_REPORT, TEMP_MARK
-from .reader import DumpError, first_mismatch
+from .planning import Plan, plan
 
 REPORT = MERGE_REPORT
 SETTINGS = "trainer_settings.json"  # the trainer's settings that match the capture (formats' settings)
 SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
+WORKER = "hs_capture.merge_worker"  # decodes and writes; the only part that imports torch
 
 
 class MergeError(Exception):
@@ -62,11 +57,13 @@ class MergeResult:
     settings: Dict[str, object] = field(default_factory=dict)  # the trainer's, matching the capture
     dtypes: List[str] = field(default_factory=list)  # stored dtypes of the states written
     warnings: List[str] = field(default_factory=list)  # about the output as a whole (printed, in the report)
+    worker_peak_rss_bytes: int = 0  # the largest peak resident memory of a process that decoded
 
     def add(self, other: "MergeResult") -> None:
         for k in ("written", "skipped_existing", "tokens", "bytes_in", "raw_bytes", "bytes_out"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.incomplete.update(other.incomplete)
+        self.worker_peak_rss_bytes = max(self.worker_peak_rss_bytes, other.worker_peak_rss_bytes)
         self.dtypes = sorted(set(self.dtypes) | set(other.dtypes))
 
 
@@ -74,24 +71,6 @@ def _rows(p: Plan, ds: Optional[Inputs]) -> List[Tuple[int, str]]:
     """Every sample's row, incomplete ones included, so rows never depend on what was captured."""
     order = ds.order if ds is not None else sorted(set(p.samples) | set(p.incomplete))
     return list(enumerate(order))
-
-
-def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeResult):
-    """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
-    try:
-        s = asm.sample(rid)
-    except DumpError as e:  # a file gone or corrupt since indexing: this sample only
-        res.incomplete[rid] = f"unreadable: {e}"
-        return None
-    if ds is not None:
-        want = ds.ids[rid]
-        k = first_mismatch(s.input_ids.tolist(), want)
-        if k is not None:
-            res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
-            return None
-    mask = ds.masks.get(rid) if ds is not None else None
-    loss_mask = torch.tensor(mask, dtype=torch.int64) if mask is not None else torch.ones(len(s.input_ids), dtype=torch.int64)
-    return s, loss_mask
 
 
 # ----------------------------------------------------------------- work order
@@ -162,74 +141,6 @@ def _step_raw_bytes(p: Plan) -> int:
     return max(tokens.values(), default=0) * _token_bytes(p, 2)
 
 
-# ----------------------------------------------------------------- workers
-# What every task of a worker process shares, set once by _init (the plan is large: it is
-# sent to each process once, not with every task), and its Assembler, whose cache carries
-# over from one task to the next.
-_W: Dict[str, object] = {}
-
-
-def _init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_bytes: int, jobs: int = 1) -> None:
-    keep_large_buffers()
-    if jobs > 1:  # N workers each with torch's default (every core) oversubscribe the host N-fold
-        torch.set_num_threads(max(1, usable_cores() // jobs))
-    _W.update(plan=p, out_dir=out_dir, fmt=fmt_name, ds=ds, asm=Assembler(p, cache_bytes))
-
-
-def _note_dtype(res: MergeResult, s: AssembledSample) -> None:
-    name = dtype_name(s.final)
-    if name not in res.dtypes:
-        res.dtypes.append(name)
-
-
-def _work_files(items: List[Item]) -> MergeResult:
-    """One file per sample (every format but the native one); a file that exists is done."""
-    asm, ds = _W["asm"], _W["ds"]
-    f = FORMATS[_W["fmt"]]
-    res = MergeResult(f.name)
-    read0 = asm.bytes_read
-    for row, rid in items:
-        path = os.path.join(_W["out_dir"], f.file_name(rid, row))
-        if os.path.exists(path):
-            res.skipped_existing += 1
-            continue
-        got = _checked_sample(asm, rid, ds, res)
-        if got is None:
-            continue
-        s, loss_mask = got
-        res.bytes_out += f.write(path, s, loss_mask)
-        res.written += 1
-        res.tokens += len(s.input_ids)
-        res.raw_bytes += s.raw_bytes
-        _note_dtype(res, s)
-    res.bytes_in = asm.bytes_read - read0
-    return res
-
-
-def _work_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
-    """Native format: packed shard files, each a fixed run of samples; one that exists is done."""
-    asm, ds = _W["asm"], _W["ds"]
-    res = MergeResult(native.FORMAT.name)
-    read0 = asm.bytes_read
-    for path, items in shards:
-        if os.path.exists(path):
-            res.skipped_existing += len(items)
-            continue
-        packed = []
-        for row, rid in items:
-            got = _checked_sample(asm, rid, ds, res)
-            if got is not None:
-                packed.append((row, got[0], got[1]))
-                res.written += 1
-                res.tokens += len(got[0].input_ids)
-                res.raw_bytes += got[0].raw_bytes
-                _note_dtype(res, got[0])
-        if packed:
-            res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
-    res.bytes_in = asm.bytes_read - read0
-    return res
-
-
 def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Optional[str] = None,
           jobs: int = 1, shard: Tuple[int, int] = (0, 1), cache_bytes: int = 2 << 30,
           on_progress: Optional[Callable[[MergeResult, int], None]] = None) -> MergeResult:
@@ -237,6 +148,8 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     if training_format is None:
         raise MergeError(f"unknown format {fmt_name!r}: choose from {NAMES}")
     t0 = time.monotonic()
+    if jobs > 1:
+        procs.start([WORKER])  # the workers' imports (torch) run while this process plans
     try:
         ds = load_inputs(dataset) if dataset else None
     except BadLine as e:
@@ -282,22 +195,37 @@ def _remove_temp_files(work_dir: str) -> None:
 
 
 def _tasks(p: Plan, mine: List[Item], packed: bool, out_dir: str, shard: Tuple[int, int], jobs: int):
-    """The worker function and its tasks: step-ordered runs of samples, or of native shards."""
+    """The worker function's name (merge_worker) and its tasks: step-ordered runs of samples,
+    or of native shards."""
     if packed:
         # shards are cut from the step order by size alone (never by -j): a re-run with any
         # -j finds the same shards, and skips those that exist
         shards = [(os.path.join(out_dir, native.shard_name(*shard, k)), b)
                   for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
         sizes = {path: sum(_raw_size(p, rid) for _, rid in items) for path, items in shards}
-        return _work_shards, _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
+        return "write_shards", _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
     if jobs > 1:
-        return _work_files, _balanced(p, mine, jobs)
+        return "write_files", _balanced(p, mine, jobs)
     # one process: small runs only pace the progress line (its cache carries over)
     runs = _cut(p, mine, 0)
-    return _work_files, [sum(runs[k:k + 8], []) for k in range(0, len(runs), 8)]
+    return "write_files", [sum(runs[k:k + 8], []) for k in range(0, len(runs), 8)]
 
 
-def _execute(worker, tasks, init: tuple, jobs: int, total: MergeResult, n_samples: int,
+def _worker():
+    from . import merge_worker  # imports torch: here only when a task runs in this process
+
+    return merge_worker
+
+
+def _start(*init) -> None:
+    _worker().init(*init)
+
+
+def _run(worker: str, task) -> MergeResult:
+    return getattr(_worker(), worker)(task)
+
+
+def _execute(worker: str, tasks, init: tuple, jobs: int, total: MergeResult, n_samples: int,
              on_progress: Optional[Callable[[MergeResult, int], None]]) -> None:
     def collect(results) -> None:
         for r in results:
@@ -306,16 +234,14 @@ def _execute(worker, tasks, init: tuple, jobs: int, total: MergeResult, n_sample
                 on_progress(total, n_samples)
 
     if jobs <= 1:
-        _init(*init)
+        _start(*init)
         try:
-            collect(map(worker, tasks))
+            collect(map(partial(_run, worker), tasks))
         finally:
-            _W.clear()
+            _worker().clear()
         return
-    # spawn, not fork: a forked torch process with live threads can deadlock
-    with ProcessPoolExecutor(min(jobs, max(1, len(tasks))), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_init, initargs=init) as pool:
-        collect(pool.map(worker, tasks))
+    with procs.pool(min(jobs, max(1, len(tasks))), [WORKER], _start, init) as pool:
+        collect(pool.map(partial(_run, worker), tasks))
 
 
 def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs]) -> None:

@@ -1,5 +1,5 @@
 """Offline access to a dump: runs, their metadata, index lines and step tensors. Never
-imports sglang. (Which pieces make a request whole: coverage.py; stitching: assemble.py.)
+imports sglang. (Which pieces make a request whole: coverage.py, planning.py; stitching: assemble.py.)
 """
 
 from __future__ import annotations

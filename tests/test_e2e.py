@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hs_capture.assemble import Captured
+from hs_capture.planning import Captured
 from hs_capture.reader import open_runs
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import LAUNCHER, Server, hf_hidden_states, hscap_send, server_env, write_jsonl

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.assemble import Captured
+from hs_capture.planning import Captured
 from tests.sglang_cpu.harness import REPO, Server, hscap_send, server_env, write_jsonl
 
 CHUNK = ["--chunked-prefill-size", "128", "--disable-radix-cache"]

@@ -157,7 +157,7 @@ def test_incomplete_samples_are_listed_never_written(dump, tmp_path):
 def test_without_a_dataset_sglangs_warmup_is_left_out_and_said(dump, tmp_path):
     """The fixture's server ran without the launcher, so SGLang's startup warmup (ids [10, 11,
     12], a generated rid) was captured: merge without --dataset must not make it a sample."""
-    from hs_capture.assemble import plan
+    from hs_capture.planning import plan
 
     p = plan([dump["dir"]])
     warm = [rid for rid, pcs in p.samples.items() if rid not in {r["id"] for r in dump["rows"]}]

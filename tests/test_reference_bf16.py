@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from hs_capture.assemble import Assembler, plan
+from hs_capture.assemble import Assembler
+from hs_capture.planning import plan
 from hs_capture.verify.reference import Reference, Stored, Tolerance, compare
 from hs_capture.verify.report import Report
 from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl

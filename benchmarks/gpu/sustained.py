@@ -13,7 +13,9 @@ A janitor deletes each step's files once its index line is written, so minutes o
 fit the target (the 64 GB disk, or tmpfs). Reported: mean step time on vs off (over every
 step, and over the steady state after --settle-s), produced vs written GB/s, the compression
 ratio achieved, steps written raw by the backlog policy, drops, forwards held, and the
-writer's own disk-bound report.
+writer's own disk-bound report. Before each target's run a probe measures the rate the target
+takes in the writer's pattern (threads writing whole files with fsync): the step time it
+allows is the figure a disk-bound run is held to.
 
 usage: python benchmarks/gpu/sustained.py [--dirs /dev/shm /root/hscap-sustained]
                                           [--seconds 150] [--off-seconds 20] [--out FILE]
@@ -74,6 +76,32 @@ class Janitor(threading.Thread):
         self.sweep()
 
 
+def disk_rate(target: str, threads: int, file_bytes: int, total_bytes: int) -> float:
+    """GB/s the target takes in the writer's own pattern (threads writing whole files with
+    fsync, each deleted behind): what "the disk allows" is measured against."""
+    block = os.urandom(1 << 24)
+    per_thread = max(1, total_bytes // (threads * file_bytes))
+
+    def work(k: int) -> None:
+        for i in range(per_thread):
+            path = os.path.join(target, f"probe-{k}-{i}")
+            with open(path, "wb") as f:
+                for _ in range(max(1, file_bytes // len(block))):
+                    f.write(block)
+                f.flush()
+                os.fsync(f.fileno())
+            os.remove(path)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    written = threads * per_thread * max(1, file_bytes // len(block)) * len(block)
+    return written / 1e9 / (time.perf_counter() - t0)
+
+
 def forward_fn():
     gen = torch.Generator(device="cuda").manual_seed(1)
     a = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -115,12 +143,13 @@ def mean(xs: List[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def run_target(target: str, forward, seconds: float, off_seconds: float, settle_s: float) -> dict:
+def run_target(target: str, forward, seconds: float, off_seconds: float, settle_s: float, probe_bytes: int) -> dict:
     root = os.path.join(target, f"hscap-sustained-{os.getpid()}")
     overrides = {k: v for k, v in os.environ.items() if k.startswith("HSCAP_")}  # none: the defaults
     env = {**overrides, "HSCAP_DIR": root, "HSCAP_RUN_ID": "run-sustained", "HSCAP_LAYERS": ",".join(map(str, LAYERS))}
     cfg = config.load(env)  # every performance setting at its default unless overridden above
     os.makedirs(cfg.run_dir, exist_ok=True)
+    probe_GBps = disk_rate(cfg.run_dir, config.default_writer_threads(), 80 << 20, probe_bytes)
     off1 = phase(forward, off_seconds)
     w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H}, expected_rows=T, step_sizes=STEP_SIZES)
     cfg = w.cfg  # the auto settings (threads, budget) as the writer resolved them
@@ -147,6 +176,9 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
             steady.append(t)
     off = off1 + off2
     step_raw = T * 4 * H * 2 + 2 * T * 8  # aux + final bf16, ids + positions int64
+    ratio = st["raw_bytes"] / max(1, st["file_bytes"])
+    # the slowest step the target allows: the step's files at the probed rate, or the GPU's own
+    allowed = max(mean(off), step_raw / ratio / 1e9 / probe_GBps)
     return {
         "target": target, "overrides": overrides, "settings": {"codec": cfg.codec, "level": cfg.level, "writer_threads": cfg.writer_threads,
                                        "fsync": cfg.fsync, "inflight_GiB": round(cfg.max_inflight_bytes / 2 ** 30, 1),
@@ -160,7 +192,9 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
         "produced_GBps": round(len(on) * step_raw / on_wall / 1e9, 2),
         "written_raw_GBps": round(st["raw_bytes"] / (on_wall + drain_s) / 1e9, 2),
         "to_disk_GBps": round(st["file_bytes"] / (on_wall + drain_s) / 1e9, 2),
-        "compression_ratio": round(st["raw_bytes"] / max(1, st["file_bytes"]), 3),
+        "compression_ratio": round(ratio, 3),
+        "target_probe_GBps": round(probe_GBps, 2), "step_ms_allowed_by_target": round(allowed * 1e3, 1),
+        "ratio_on_allowed_steady_mean": round(mean(steady) / allowed, 4),
         "steps_written": st["steps_written"], "steps_written_raw": st["steps_written_raw"],
         "steps_dropped": st["steps_dropped"], "steps_failed": st["steps_failed"],
         "forward_waited_s": st["forward_waited_s"], "peak_inflight_GB": round(st["peak_inflight_bytes"] / 1e9, 2),
@@ -175,6 +209,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=150)
     p.add_argument("--off-seconds", type=float, default=20)
     p.add_argument("--settle-s", type=float, default=30, help="steady state: on-steps after this many seconds")
+    p.add_argument("--probe-gb", type=float, default=6, help="bytes the target's write-rate probe writes (deleted behind)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     forward = forward_fn()
@@ -184,7 +219,7 @@ def main() -> None:
            "runs": []}
     for d in a.dirs:
         os.makedirs(d, exist_ok=True)
-        r = run_target(d, forward, a.seconds, a.off_seconds, a.settle_s)
+        r = run_target(d, forward, a.seconds, a.off_seconds, a.settle_s, int(a.probe_gb * 1e9))
         res["runs"].append(r)
         print(json.dumps(r), flush=True)
     write_results(res, a.out)

@@ -60,6 +60,7 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
                "recaptured": len(res.recaptured), "left_out": len(res.left_out),
                "unattributed": len(res.unattributed), "tokens": res.tokens,
                "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
+               "worker_peak_rss_mb": res.worker_peak_rss_bytes >> 20,
                "seconds": res.seconds, "loss_mask": res.loss_mask_source,
                "report": os.path.join(out_dir, REPORT), "settings": res.settings, "warnings": res.warnings}
     if as_json:

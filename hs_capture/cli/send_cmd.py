@@ -37,7 +37,7 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     prepared dataset directory, row k sent as id "k") to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
-    from ..assemble import Captured  # lazily: it needs torch, and `hscap` starts without it
+    from ..planning import Captured
     from ..reader import DumpError
 
     try:  # the rule merge and verify judge by: a sample whole in the dumps is not sent again

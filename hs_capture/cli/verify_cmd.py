@@ -37,7 +37,7 @@ def _check_device(name: str) -> None:
 @click.option("--sample", type=click.IntRange(1), default=None,
               help="Decode only K random steps (dumps) or samples (merged); index checks still cover all.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --sample and --reference picks.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Reader threads.")
+@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Worker processes for dump steps (threads for merged samples).")
 @click.option("--reference", "reference", type=click.Path(exists=True, file_okay=False),
               help="Model dir: recompute samples with transformers (float32) and compare.")
 @click.option("--reference-device", default="cpu", show_default=True,

@@ -13,12 +13,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from .. import format as fmt
-from ..assemble import MixedRuns, Plan, plan
+from ..planning import MixedRuns, Plan, plan
 from ..coverage import Span, describe_extra
+from ..heap import keep_large_buffers
+from ..procs import peak_rss_bytes
 from ..layout import FINAL, TEMP_MARK, TENSOR_SUFFIX, step_parts
 from ..reader import TORN, DumpError, Run, first_mismatch, open_runs
-from .pool import bounded_map, pick
-from .report import ERROR, WARNING, Report
+from .pool import pick, process_map
+from .report import ERROR, WARNING, Finding, Report
 from .values import as_array, identical_pairs, value_problems
 
 Progress = Callable[[int, int], None]
@@ -402,6 +404,52 @@ def check_coverage(paths: Sequence[str], runs: List[Run], steps: List[_Step], re
     return p
 
 
+# ------------------------------------------------------------- the step pass, in processes
+_DATASET: Dict[str, Optional[Dict[str, List[int]]]] = {}  # a worker's copy, sent once
+
+
+def _init_worker(dataset: Optional[Dict[str, List[int]]]) -> None:
+    keep_large_buffers()  # each step's buffers reuse the heap (heap.py)
+    _DATASET["ids"] = dataset
+
+
+def _check_alone(step: _Step) -> Tuple[List[Finding], Dict[str, int], bool, int, int]:
+    """check_step in a worker process: its own report, sent back whole with the damage mark
+    and the worker's peak memory."""
+    mine = Report([])
+    read = check_step(step, mine, _DATASET.get("ids"))
+    return mine.findings, mine.ran, step.damaged, read, peak_rss_bytes()
+
+
+def _check_steps(todo: List[_Step], report: Report, dataset: Optional[Dict[str, List[int]]], jobs: int,
+                 progress: Optional[Progress]) -> int:
+    """Decode and check every step of `todo` (in `jobs` processes when there is more than one
+    step); returns the bytes read."""
+    if jobs <= 1 or len(todo) <= 1:
+        _init_worker(dataset)
+        try:
+            results = map(_check_alone, todo)
+            return _collect(todo, results, report, progress)
+        finally:
+            _DATASET.clear()
+    results = process_map(_check_alone, todo, jobs, [__name__], _init_worker, (dataset,))
+    return _collect(todo, results, report, progress)
+
+
+def _collect(todo: List[_Step], results, report: Report, progress: Optional[Progress]) -> int:
+    read = 0
+    for k, (step, (findings, ran, damaged, n, peak)) in enumerate(zip(todo, results), 1):
+        report.stats["worker_peak_rss_mb"] = max(report.stats.get("worker_peak_rss_mb", 0), peak >> 20)
+        report.findings.extend(findings)
+        for check, count in ran.items():
+            report.looked(check, count)
+        step.damaged = step.damaged or damaged
+        read += n
+        if progress:
+            progress(k, len(todo))
+    return read
+
+
 def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str, List[int]]] = None,
                 sample: Optional[int] = None, jobs: int = 4, seed: int = 0,
                 progress: Optional[Progress] = None) -> Optional[Plan]:
@@ -413,7 +461,6 @@ def verify_dump(paths: Sequence[str], report: Report, dataset: Optional[Dict[str
     todo = pick(steps, sample, seed)
     report.stats.update(runs=len(runs), ranks=sum(len(r.ranks) for r in runs), steps=len(steps),
                         steps_decoded=len(todo))
-    read = sum(bounded_map(lambda st: check_step(st, report, dataset), todo, jobs, progress))
-    report.stats["bytes_read"] = read
+    report.stats["bytes_read"] = _check_steps(todo, report, dataset, jobs, progress)
     return check_coverage(paths, runs, steps, report,
                           {k: len(v) for k, v in dataset.items()} if dataset is not None else None)
