@@ -3,6 +3,8 @@ worker start-up, per-core rates, a -j 1 profile, and what the machine's memory a
 allow when every core writes fresh pages at once.
 
 usage: python benchmarks/gpu/merge_diag.py [--steps 32] [--dir /dev/shm] [--jobs 1 4 16]
+(run with the device tool: `device.sh offline python3 benchmarks/gpu/merge_diag.py`; the last
+run is in merge_diag.results.txt)
 """
 
 from __future__ import annotations
@@ -111,10 +113,7 @@ def main() -> None:
         out = os.path.join(work, "out-prof")
         print(profile(lambda: merge([dump], out, "specforge", jobs=1, cache_bytes=1 << 30)), flush=True)
         shutil.rmtree(out)
-        import hs_capture.verify.dump as vd
-
-        vd.bounded_map = lambda fn, items, jobs, progress=None: map(fn, items)  # in this thread: profiled
-        print(profile(lambda: verify([dump], jobs=1)), flush=True)
+        print(profile(lambda: verify([dump], jobs=1)), flush=True)  # -j 1: in this process, profiled
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
