@@ -6,6 +6,7 @@ as incomplete samples, never silently wrong or short."""
 
 import random
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -106,6 +107,12 @@ def test_radix_cache_hits_are_reported_incomplete_never_wrong(tiny_model, tmp_pa
         srv.wait_healthy()
         for donor in (rows[0], rows[8]):  # cache each shared prefix first
             srv.generate(donor["id"], donor["input_ids"])
+        # the writer indexes a step after the response (off the critical path): send skips
+        # what is indexed when it starts, so wait for both donors (a CI run once raced it)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                Captured([dump], allow_empty=True).judge(d["id"], len(d["input_ids"]))[0] for d in (rows[0], rows[8])):
+            time.sleep(0.2)
         rc, summary = hscap_send(write_jsonl(tmp_path / "d.jsonl", rows), "--url", srv.url, "-c", "8",
                                  "--dump-dir", dump, "--failures", str(tmp_path / "f.jsonl"))
     finally:
