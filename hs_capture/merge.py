@@ -5,6 +5,8 @@ before any sharding, so `--shard i/N` merges on N machines produce disjoint, con
 files. Work order: by the step that ends each sample, cut into one contiguous run per
 worker, so every step is decoded about once whatever -j (see "work order" below). A file
 that exists is done (writes are atomic); leftover temp files are removed first.
+This module plans and hands out the runs without importing torch; merge_worker.py cuts the
+samples and writes them, in procs.py's worker processes at -j > 1.
 """
 
 from __future__ import annotations
