@@ -52,8 +52,8 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
     w.start()
     outliers = torch.randperm(H, generator=g)[:16]
     rid, left, pos = 0, rng.randrange(64, 4096), 0
-    made, seqs_seen = [], []
-    for _ in range(steps):
+    made = []
+    for k in range(steps):
         seqs, t = [], 0
         while t < step_tokens:
             n = min(left, step_tokens - t)
@@ -69,8 +69,7 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
 
         if len(made) < distinct:
             made.append((states(3), states(1)))
-        aux, final = made[len(seqs_seen) % len(made)]
-        seqs_seen.append(len(seqs))
+        aux, final = made[k % len(made)]
         tensors = {"aux": aux, "final": final,
                    "tokens": torch.randint(0, 100000, (step_tokens,), generator=g),
                    "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}

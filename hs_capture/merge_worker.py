@@ -57,7 +57,11 @@ def clear() -> None:
     _W.clear()
 
 
-def _note_dtype(res: MergeResult, s: AssembledSample) -> None:
+def _count(res: MergeResult, s: AssembledSample) -> None:
+    """A sample written: its tokens, bytes and stored dtype in the result."""
+    res.written += 1
+    res.tokens += len(s.input_ids)
+    res.raw_bytes += s.raw_bytes
     name = dtype_name(s.final)
     if name not in res.dtypes:
         res.dtypes.append(name)
@@ -79,10 +83,7 @@ def write_files(items: List[Item]) -> MergeResult:
             continue
         s, loss_mask = got
         res.bytes_out += f.write(path, s, loss_mask)
-        res.written += 1
-        res.tokens += len(s.input_ids)
-        res.raw_bytes += s.raw_bytes
-        _note_dtype(res, s)
+        _count(res, s)
     res.bytes_in = asm.bytes_read - read0
     res.worker_peak_rss_bytes = peak_rss_bytes()
     return res
@@ -102,10 +103,7 @@ def write_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
             got = _checked_sample(asm, rid, ds, res)
             if got is not None:
                 packed.append((row, got[0], got[1]))
-                res.written += 1
-                res.tokens += len(got[0].input_ids)
-                res.raw_bytes += got[0].raw_bytes
-                _note_dtype(res, got[0])
+                _count(res, got[0])
         if packed:
             res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
     res.bytes_in = asm.bytes_read - read0
