@@ -40,7 +40,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/demo")
     p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--layers", default="1,3,5", help="HSCAP_LAYERS (entering-layer convention)")
+    p.add_argument("--layers", default="2,3,5", help="HSCAP_LAYERS (entering-layer convention; a first layer of 1 "
+                   "cannot be served to a DeepSeek drafter by SGLang >= 0.5.13)")
     a = p.parse_args()
     out = os.path.abspath(a.out)
     dump, merged = os.path.join(out, "dump"), os.path.join(out, "specforge")

@@ -98,4 +98,4 @@ def _why_not(spans: List[Span], end: int) -> str:
 
 
 def describe_extra(s: Span, where: str) -> str:
-    return f"positions {s.start}..{s.end - 1} captured again ({where}): not used, the whole capture is"
+    return f"positions {s.start}..{s.end - 1} captured again ({where}): not used; the sample is whole without it"

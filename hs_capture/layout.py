@@ -70,6 +70,15 @@ def part_layer(part: str) -> "int | None":
     return int(part[1:]) if part.startswith("L") and part[1:].isdigit() else None
 
 
+def holds_dump(path: str) -> bool:
+    """Whether `path` is a run dir or a dump dir holding one (a run dir has ranks/)."""
+    try:
+        return os.path.isdir(os.path.join(path, "ranks")) or any(
+            os.path.isdir(os.path.join(path, d, "ranks")) for d in os.listdir(path))
+    except OSError:
+        return False
+
+
 def rank_meta_path(run_dir: str, rank: RankId) -> str:
     return os.path.join(run_dir, "ranks", rank.tag + ".json")
 

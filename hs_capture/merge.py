@@ -24,10 +24,11 @@ from .files import atomic_write
 from .formats import FORMATS, NAMES, native
 from .inputs import BadLine, Inputs, load_inputs
 from .layout import MERGE_REPORT, TEMP_MARK
+from .output_dir import SETTINGS, OutputDirError, prepare
 from .planning import Plan, plan
+from .serving_ids import ServedIds, family_of, served_ids
 
 REPORT = MERGE_REPORT
-SETTINGS = "trainer_settings.json"  # the trainer's settings that match the capture (formats' settings)
 SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
 WORKER = "hs_capture.merge_worker"  # decodes and writes; the only part that imports torch
 
@@ -57,6 +58,7 @@ class MergeResult:
     left_out: Dict[str, str] = field(default_factory=dict)
     unattributed: List[str] = field(default_factory=list)
     settings: Dict[str, object] = field(default_factory=dict)  # the trainer's, matching the capture
+    serving: Dict[str, object] = field(default_factory=dict)  # the engine and rule the layer ids are for
     dtypes: List[str] = field(default_factory=list)  # stored dtypes of the states written
     warnings: List[str] = field(default_factory=list)  # about the output as a whole (printed, in the report)
     worker_peak_rss_bytes: int = 0  # the largest peak resident memory of a process that decoded
@@ -145,10 +147,14 @@ def _step_raw_bytes(p: Plan) -> int:
 
 def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Optional[str] = None,
           jobs: int = 1, shard: Tuple[int, int] = (0, 1), cache_bytes: int = 2 << 30,
-          on_progress: Optional[Callable[[MergeResult, int], None]] = None) -> MergeResult:
+          on_progress: Optional[Callable[[MergeResult, int], None]] = None, overwrite: bool = False) -> MergeResult:
     training_format = FORMATS.get(fmt_name)
     if training_format is None:
         raise MergeError(f"unknown format {fmt_name!r}: choose from {NAMES}")
+    try:
+        prepare(out_dir, dump_dirs, training_format, overwrite)
+    except OutputDirError as e:
+        raise MergeError(str(e)) from None
     t0 = time.monotonic()
     if jobs > 1:
         procs.start([WORKER])  # the workers' imports (torch) run while this process plans
@@ -180,12 +186,22 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     _execute(worker, tasks, (p, out_dir, fmt_name, ds, per_job, jobs), jobs, total, len(mine), on_progress)
     if packed:
         native.write_index(out_dir, p.layers, p.hidden_size, p.prenorm)
-    dtype_warning = training_format.dtype_warning(total.dtypes)
-    if dtype_warning:
-        total.warnings.append(dtype_warning)
+    served = _served(p, training_format)
+    total.warnings += [w for w in (training_format.dtype_warning(total.dtypes), served and served.problem())
+                       if w]
     total.seconds = round(time.monotonic() - t0, 3)
-    _write_reports(out_dir, total, p, training_format, ds)
+    _write_reports(out_dir, total, p, training_format, ds, served)
     return total
+
+
+def _served(p: Plan, training_format) -> Optional[ServedIds]:
+    """The layer ids that the engine serving this format's drafters maps onto the captured
+    layers: SGLang's rule for the captured family, at the release that captured (most likely
+    the one that serves), or vLLM's."""
+    if training_format.served_by is None or not p.runs:
+        return None
+    meta = p.runs[-1].meta
+    return served_ids(p.layers, training_format.served_by, family_of(meta), meta.get("sglang_version"))
 
 
 def _remove_temp_files(work_dir: str) -> None:
@@ -246,13 +262,19 @@ def _execute(worker: str, tasks, init: tuple, jobs: int, total: MergeResult, n_s
         collect(pool.map(partial(_run, worker), tasks))
 
 
-def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs]) -> None:
+def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs],
+                   served: Optional[ServedIds]) -> None:
     """merge_report.json (what verify --reference needs to map aux blocks back to layers), and
     the trainer's settings that match the capture."""
-    if training_format.settings is not None:
+    if training_format.settings is not None and served is not None:
         real_mask = ds is not None and any(m is not None for m in ds.masks.values())
-        total.settings = training_format.settings(p.layers, real_mask)
-        doc = {"format": training_format.name, "captured_layers_entering": p.layers, "settings": total.settings}
+        total.settings = training_format.settings(served.ids, real_mask)
+        total.serving = served.as_dict()
+        note = served.note()
+        if note:
+            total.warnings.append(note)
+        doc = {"format": training_format.name, "captured_layers_entering": p.layers, "settings": total.settings,
+               "served_by": total.serving, "warnings": total.warnings}
         atomic_write(os.path.join(out_dir, SETTINGS), [json.dumps(doc, indent=1).encode()], fsync=False)
     report = asdict(total)
     report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)

@@ -25,7 +25,7 @@ def clean_env(monkeypatch):
 @pytest.fixture(scope="session")
 def served_dump(tiny_model, tmp_path_factory):
     """One dump from the REAL CPU server, shared by the merge and verify suites (read-only:
-    tests that damage it work on a copy). Layers 1,3,5, pre-norm on, chunked at 128, -c 8."""
+    tests that damage it work on a copy). Layers 2,3,5 (the drafter ids SGLang serves them on: 1,2,4), pre-norm on, chunked at 128, -c 8."""
     root = tmp_path_factory.mktemp("served")
     rng = random.Random(7)
     rows = []
@@ -34,7 +34,7 @@ def served_dump(tiny_model, tmp_path_factory):
         rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
     data = write_jsonl(root / "data.jsonl", rows)
     d = str(root / "dump")
-    srv = serve_and_send(tiny_model, server_env(d, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), root,
+    srv = serve_and_send(tiny_model, server_env(d, HSCAP_LAYERS="2,3,5", HSCAP_PRENORM="1"), root,
                          ["--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows), concurrency=8)
     assert "final state post-norm and pre-norm" in srv.log()
     return {"dir": d, "rows": rows, "data": data, "root": root}

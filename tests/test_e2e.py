@@ -4,13 +4,17 @@ prompts longer than the chunked-prefill size, lengths 1..1500, shared prefixes),
 stitched and compared with transformers. Then the radix cache ON: prefix hits are reported
 as incomplete samples, never silently wrong or short."""
 
+import json
+import os
 import random
 import sys
 import time
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
+from hs_capture.cli import main
 from hs_capture.planning import Captured
 from hs_capture.reader import open_runs
 from tests.conftest import NUM_LAYERS
@@ -74,6 +78,22 @@ def test_launcher_added_the_capture_flags(extraction):
     flags = run.ranks["dp0-tp0-pp0"]["server_flags"]
     assert flags["disable_radix_cache"] is True and flags["chunked_prefill_size"] == CHUNK
     assert "radix cache is on" not in extraction["log"]
+
+
+def test_a_layer_set_sglang_cannot_serve_is_said_at_capture_and_at_merge(extraction, tmp_path):
+    """1,3,5 on DeepSeek: SGLang >= 0.5.13 adds 1 to a drafter's ids only when the first is 1, so
+    [0, 2, 4] is served as 0,2,4 and [1, 3, 5] as 2,4,6: no drafter trained on it is served right."""
+    assert ("[HS_DUMP] WARNING: sglang >=0.5.13 (deepseek) cannot serve an EAGLE-3 drafter on the captured "
+            "layers [1, 3, 5]") in extraction["log"]
+    out = str(tmp_path / "mo")
+    res = CliRunner().invoke(main, ["merge", extraction["dump"], "-o", out, "--format", "modelopt", "--json"],
+                             catch_exceptions=False)
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert res.exit_code == 0 and doc["written"] == len(extraction["rows"])  # the data itself is right
+    assert doc["settings"]["eagle_aux_hidden_state_layer_ids"] is None
+    assert any("first layer other than 1, e.g. 2" in w for w in doc["warnings"]), doc["warnings"]
+    saved = json.load(open(os.path.join(out, "trainer_settings.json")))
+    assert saved["served_by"]["other_releases"] == {"<0.5.13": [0, 2, 4]} and saved["warnings"] == doc["warnings"]
 
 
 def test_forwards_were_batched_and_chunked(extraction):

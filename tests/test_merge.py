@@ -15,7 +15,7 @@ from hs_capture.cli import main
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import hf_hidden_states, write_jsonl
 
-LAYERS = [1, 3, 5]
+LAYERS = [2, 3, 5]
 TOL = 1e-4
 
 
@@ -65,9 +65,12 @@ def test_specforge_samples_equal_transformers(dump, tiny_model, tmp_path):
 def test_modelopt_samples_load_weights_only_and_match(dump, tiny_model, tmp_path):
     out = str(tmp_path / "mo")
     summary = run_merge(dump["dir"], "-o", out, "--format", "modelopt", "--dataset", dump["data"])
-    # ModelOpt numbers a layer by its output (ours - 1); the dataset's masks need answer_only_loss
-    want = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in LAYERS], "answer_only_loss": True}
-    assert summary["settings"] == want
+    # the ids SGLang 0.5.23's DeepSeek set_eagle3_layers_to_capture turns into layers 2,3,5 (its
+    # first id is 1, so it adds 1; tests/test_serving_ids.py runs that code); the dataset's
+    # masks need answer_only_loss
+    want = {"eagle_aux_hidden_state_layer_ids": [1, 2, 4], "answer_only_loss": True}
+    assert summary["settings"] == want and summary["warnings"] == []
+    assert summary["serving"]["engine"] == "sglang" and summary["serving"]["family"] == "deepseek"
     assert json.load(open(os.path.join(out, "trainer_settings.json")))["settings"] == want
     rows = by_rid(dump["rows"])
     names = [n for n in os.listdir(out) if n.endswith(".pt")]
@@ -377,3 +380,46 @@ def test_a_missing_layer_or_unreadable_file_skips_only_that_sample(dump, tmp_pat
     assert report[gone["seqs"][0]["rid"]] == f"step {gone['step']} of dp0-tp0-pp0 lacks L03"
     assert report[corrupt["seqs"][0]["rid"]].startswith("unreadable: ")
     assert s["written"] == len(dump["rows"]) - 2
+
+
+def _merge(*args):
+    return CliRunner().invoke(main, ["merge", *args], catch_exceptions=False)
+
+
+def test_merge_refuses_an_output_dir_holding_other_files_and_never_writes_into_a_dump(dump, tmp_path):
+    # files merge did not write: refused, even with --overwrite, and left as they were
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "sub").mkdir()
+    (out / "sub" / "other-run.ckpt").write_text("a stranger SpecForge's glob would train on")
+    for extra in ([], ["--overwrite"]):
+        res = _merge(dump["dir"], "-o", str(out), "--format", "specforge", *extra)
+        assert res.exit_code == 1 and "files merge did not write" in res.output and "Traceback" not in res.output
+        assert sorted(os.listdir(out)) == ["notes.txt", "sub"] and (out / "notes.txt").read_text() == "mine"
+    # into the dump itself, or a directory inside it: refused, nothing written there
+    copy = tmp_path / "dump"
+    shutil.copytree(dump["dir"], copy)
+    (run,) = [d for d in os.listdir(copy)]
+    before = sorted(os.path.relpath(os.path.join(r, n), copy) for r, _, ns in os.walk(copy) for n in ns)
+    for target in (copy, copy / run, copy / "train"):
+        res = _merge(str(copy), "-o", str(target), "--format", "modelopt")
+        assert res.exit_code == 1 and "merge never writes into a dump" in res.output, res.output
+    assert sorted(os.path.relpath(os.path.join(r, n), copy) for r, _, ns in os.walk(copy) for n in ns) == before
+    res = _merge(str(copy / run), "-o", str(tmp_path), "--format", "modelopt")  # the dump inside OUT
+    assert res.exit_code == 1 and "is inside" in res.output
+
+
+def test_merge_resumes_its_own_format_and_replaces_another_only_with_overwrite(dump, tmp_path):
+    out = str(tmp_path / "o")
+    first = run_merge(dump["dir"], "-o", out, "--format", "modelopt")
+    again = run_merge(dump["dir"], "-o", out, "--format", "modelopt")  # its own output: a resume
+    assert again["skipped_existing"] == first["written"] and again["written"] == 0
+    res = _merge(dump["dir"], "-o", out, "--format", "specforge")
+    assert res.exit_code == 1 and "holds the modelopt output of an earlier merge" in res.output
+    assert "--overwrite" in res.output and not any(n.endswith(".ckpt") for n in os.listdir(out))
+    s = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--overwrite")
+    names = os.listdir(out)
+    assert s["written"] == first["written"] and not any(n.endswith(".pt") for n in names)
+    assert sum(n.endswith(".ckpt") for n in names) == s["written"]
+    assert json.load(open(os.path.join(out, "trainer_settings.json")))["format"] == "specforge"

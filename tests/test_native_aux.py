@@ -1,18 +1,25 @@
 """sglang 0.5.23's own aux capture (`--enable-return-aux-hidden-states`, states returned in
 the JSON response) and the hook on the same REAL CPU server do not fight: each returns the
-layers it was asked for, equal to transformers' float32 forward."""
+layers it was asked for, equal to transformers' float32 forward. SGLang's flag goes through the
+same `set_eagle3_layers_to_capture` a served drafter's ids go through, so the ids
+hs_capture.serving_ids gives for layers 3,4 must come back as exactly those layers."""
 
 import json
 import urllib.request
 
 import numpy as np
+import sglang
 from click.testing import CliRunner
 
 from hs_capture.cli import main
+from hs_capture.serving_ids import served_ids
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env, write_jsonl
 
 H = 256
-NATIVE_IDS = [0, 2]  # SGLang's --return-aux-hidden-state-layer-ids
+NATIVE_LAYERS = [3, 4]  # what SGLang's own capture is to return (entering-layer indices)
+# its --return-aux-hidden-state-layer-ids: [3, 4] on 0.5.23 (the old "layer - 1" gave [2, 3],
+# which SGLang's DeepSeek rule takes as they are: layers 2, 3)
+NATIVE_IDS = served_ids(NATIVE_LAYERS, "sglang", "deepseek", sglang.__version__).ids
 OURS = "1,3,5"
 
 
@@ -40,7 +47,7 @@ def test_the_hook_and_sglangs_native_aux_capture_both_return_their_own_layers(ti
         # chunked at 64: only the last chunk's rows come back (the issue's finding), so compare those
         assert a.shape[1] == len(NATIVE_IDS) * H and a.shape[0] == len(ids) - 64 * ((len(ids) - 1) // 64)
         tail = slice(len(ids) - a.shape[0], len(ids))
-        for j, k in enumerate(NATIVE_IDS):  # measured: these ids name the state ENTERING layer k
+        for j, k in enumerate(NATIVE_LAYERS):
             assert np.abs(a[:, j * H:(j + 1) * H] - ref[k][tail]).max() <= 1e-4, (rid, k)
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": rid, "input_ids": ids} for rid, ids in prompts.items()])
     res = CliRunner().invoke(main, ["verify", dump, "--dataset", data, "--reference", tiny_model, "--json"])

@@ -124,6 +124,24 @@ def test_truncated_file_is_named(copy):
     assert all(f["path"].endswith(os.path.basename(path)) for f in errors(doc))
 
 
+def test_a_dump_holding_merged_output_is_still_checked_as_a_dump(copy, served_dump, tmp_path):
+    """Older merges wrote into the dump when asked (-o DUMP): verify then took the directory for
+    merged output and passed a truncated dump file."""
+    d, run = copy
+    out = tmp_path / "mo"
+    res = CliRunner().invoke(main, ["merge", "-q", d, "-o", str(out), "--format", "modelopt", "--dataset",
+                                    served_dump["data"]], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    for name in os.listdir(out):  # what `merge -o DUMP` used to leave there
+        shutil.copy(out / name, os.path.join(d, name))
+    path, line = part_file(run, 2, "final")
+    os.truncate(path, os.path.getsize(path) - 100)
+    code, doc = verify(d, "--dataset", served_dump["data"])
+    assert code == 1 and "truncated" in {f["check"] for f in errors(doc)}, doc["findings"][:5]
+    broken = rids_of(line) & {r["id"] for r in served_dump["rows"]}  # the samples that step breaks
+    assert broken and {x["rid"] for x in errors(doc, "coverage")} == broken
+
+
 def test_deleted_file_is_missing(copy):
     d, run = copy
     path, line = part_file(run, 2, "L05")
@@ -150,7 +168,7 @@ def test_deleted_index_line_leaves_a_missing_step_and_extra_files(copy, served_d
 
 def test_swapped_layer_files_are_misplaced(copy):
     d, run = copy
-    a, _ = part_file(run, 1, "L01")
+    a, _ = part_file(run, 1, "L02")
     b, _ = part_file(run, 1, "L03")
     tmp = a + ".swap"
     os.rename(a, tmp)
@@ -159,7 +177,7 @@ def test_swapped_layer_files_are_misplaced(copy):
     code, doc = verify(d)
     found = errors(doc)
     assert code == 1 and {f["check"] for f in found} == {"placement"} and len(found) == 2
-    assert any("part='L03' (expected 'L01')" in f["message"] for f in found)
+    assert any("part='L03' (expected 'L02')" in f["message"] for f in found)
 
 
 def _corrupt_header(path):
@@ -170,7 +188,7 @@ def _corrupt_header(path):
 
 @pytest.mark.parametrize("part, damage, check, words", [
     ("L03", lambda path: rewrite(path, np.zeros_like), "degenerate", "all zeros"),  # a zeroed tensor
-    ("L01", _corrupt_header, "header", "InvalidHeader"),  # a corrupt header is named
+    ("L02", _corrupt_header, "header", "InvalidHeader"),  # a corrupt header is named
 ])
 def test_one_damaged_file_is_one_named_finding(copy, part, damage, check, words):
     d, run = copy
@@ -183,7 +201,7 @@ def test_one_damaged_file_is_one_named_finding(copy, part, damage, check, words)
 
 def test_leftover_temp_file_is_reported(copy):
     d, run = copy
-    path, _ = part_file(run, 0, "L01")
+    path, _ = part_file(run, 0, "L02")
     tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp-4242")
     shutil.copy(path, tmp)
     code, doc = verify(d)
@@ -193,10 +211,10 @@ def test_leftover_temp_file_is_reported(copy):
 
 def test_nan_and_identical_layers_and_zero_rows(copy):
     d, run = copy
-    p1, _ = part_file(run, 0, "L01")
+    p1, _ = part_file(run, 0, "L02")
     p3, _ = part_file(run, 0, "L03")
     p5, _ = part_file(run, 1, "L05", min_tokens=2)
-    pn, _ = part_file(run, 2, "L01")
+    pn, _ = part_file(run, 2, "L02")
     same = hidden_of(p1)
 
     def nan(a):
@@ -213,7 +231,7 @@ def test_nan_and_identical_layers_and_zero_rows(copy):
     by = {f["check"]: f for f in errors(doc)}
     assert set(by) == {"identical", "nonfinite", "degenerate"}
     assert "1 NaN" in by["nonfinite"]["message"] and "row 0" in by["nonfinite"]["message"]
-    assert "L01 and L03" in by["identical"]["message"] and "rows are all zeros" in by["degenerate"]["message"]
+    assert "L02 and L03" in by["identical"]["message"] and "rows are all zeros" in by["degenerate"]["message"]
 
 
 def test_dataset_token_mismatch_and_unsent_sample(served_dump, tmp_path):

@@ -34,26 +34,32 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row % N == i.")
 @click.option("--cache-mb", default=2048, show_default=True, type=click.IntRange(16),
               help="Decoded step data kept in memory (all workers together).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace what an earlier merge wrote in OUT (any format); files merge did not write are never "
+                   "touched and still refuse the directory.")
 @QUIET
 @JSON
 def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs: int, shard: Tuple[int, int],
-              cache_mb: int, quiet: bool, as_json: bool) -> None:
+              cache_mb: int, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Stitch every request in DUMPS (dump or run dirs, e.g. one per node) and write one
     file per complete sample. Incomplete samples are never written: they are listed, with
-    the reason, in OUT/merge_report.json. Re-running skips finished files."""
+    the reason, in OUT/merge_report.json. Re-running skips finished files. OUT must be new,
+    empty or hold only this format's merge output, and never lies inside a dump."""
     from ..merge import REPORT, SETTINGS, MergeError, MergeResult, merge
     from ..reader import DumpError
 
     progress = Progress(enabled=not (quiet or as_json))
 
-    def on_progress(r: "MergeResult", total: int) -> None:
+    def on_progress(r: "MergeResult", total: int, force: bool = False) -> None:
         progress.update(f"merged {r.written + r.skipped_existing}/{total}  {r.tokens:,} tokens  "
-                        f"{r.raw_bytes / 1e9:.2f} GB raw")
+                        f"{r.raw_bytes / 1e9:.2f} GB raw", force)
 
     try:
-        res = merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb << 20, on_progress)
+        res = merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb << 20, on_progress, overwrite)
     except (MergeError, DumpError) as e:
         raise click.ClickException(str(e))
+    # the last result may have come within the redraw interval: the line ends on the final count
+    on_progress(res, res.written + res.skipped_existing, force=True)
     progress.close()
     summary = {"format": res.format, "shard": res.shard, "written": res.written,
                "skipped_existing": res.skipped_existing, "incomplete": len(res.incomplete),
@@ -62,7 +68,8 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
                "bytes_in": res.bytes_in, "raw_bytes": res.raw_bytes, "bytes_out": res.bytes_out,
                "worker_peak_rss_mb": res.worker_peak_rss_bytes >> 20,
                "seconds": res.seconds, "loss_mask": res.loss_mask_source,
-               "report": os.path.join(out_dir, REPORT), "settings": res.settings, "warnings": res.warnings}
+               "report": os.path.join(out_dir, REPORT), "settings": res.settings, "serving": res.serving,
+               "warnings": res.warnings}
     if as_json:
         emit_json(summary)
         return
@@ -85,6 +92,8 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     for warning in res.warnings:  # even with --quiet: the output would not train
         click.echo(f"hscap merge: warning: {warning}", err=True)
     if res.settings:
-        click.echo(f"hscap merge: {res.format} settings for this capture (also in {SETTINGS}): "
+        served = res.serving
+        click.echo(f"hscap merge: {res.format} settings for this capture, layer ids as {served['engine']} "
+                   f"{served['releases']} serves the drafter (also in {SETTINGS}): "
                    + ", ".join(f"{k}={json.dumps(v)}" for k, v in res.settings.items()), err=True)
-    click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if k not in ("settings", "warnings")))
+    click.echo(" ".join(f"{k}={v}" for k, v in summary.items() if k not in ("settings", "serving", "warnings")))

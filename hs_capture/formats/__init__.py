@@ -23,12 +23,24 @@ class TrainingFormat:
     load: Callable  # (path, key, headers) -> MergedSample; key: the native row's tensor prefix
     needs_prenorm: bool = False
     aux_layers: Optional[int] = None  # exactly this many captured layers, or any
-    # the trainer's own settings that match a capture: (layers in hs_capture's entering-layer
-    # convention, whether the dataset gave real loss masks) -> {setting: value}; merge writes
-    # them to OUT/trainer_settings.json (each trainer numbers layers its own way: README table)
-    settings: Optional[Callable[[Sequence[int], bool], Dict[str, object]]] = None
+    # the engine that serves this trainer's drafters ("sglang" or "vllm"): it decides which
+    # layer ids land on the captured layers (serving_ids.py)
+    served_by: Optional[str] = None
+    # the trainer's own settings that match a capture: (the layer ids the serving engine maps
+    # onto the captured layers, None when none does; whether the dataset gave real loss
+    # masks) -> {setting: value}; merge writes them to OUT/trainer_settings.json
+    settings: Optional[Callable[[Optional[Sequence[int]], bool], Dict[str, object]]] = None
     # the state dtypes the trainer computes with, and why: merge warns when the capture's differ
     state_dtypes: Optional[Tuple[Tuple[str, ...], str]] = None
+    # whether a path under an output dir ('/'-separated, relative) is this format's output;
+    # None: a sample file at the top (`identify`)
+    owns_path: Optional[Callable[[str], bool]] = None
+
+    def owns(self, rel: str) -> bool:
+        """Whether merge writes this path (relative to its output dir) in this format."""
+        if self.owns_path is not None:
+            return self.owns_path(rel)
+        return "/" not in rel and self.identify(rel) is not None
 
     def problem(self, prenorm: bool, layers: Sequence[int]) -> Optional[str]:
         """Why a dump with these settings cannot be written in this format, or None."""

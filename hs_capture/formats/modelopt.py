@@ -27,9 +27,10 @@ def load(path: str, key, headers) -> MergedSample:
                   to_numpy(d["aux_hidden_states"]), to_numpy(fin), None, fin.shape[-1], dtype_name(fin))
 
 
-def settings(layers, real_mask: bool) -> dict:
-    # ModelOpt numbers a layer by its OUTPUT: the state entering layer i is layer i-1's output
-    return {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
+def settings(ids, real_mask: bool) -> dict:
+    # ModelOpt exports these ids into the drafter's config.json (eagle_config), where SGLang
+    # reads them when it serves the drafter; offline training uses only how many there are
+    return {"eagle_aux_hidden_state_layer_ids": ids,
             # its loss_mask is read only with answer_only_loss; else every token is trained on
             "answer_only_loss": real_mask}
 
@@ -39,7 +40,7 @@ def _format():
 
     return TrainingFormat("modelopt", "ModelOpt: <id>-<hash>.pt, loadable with weights_only=True",
                           lambda rid, row: sample_file_stem(rid) + ".pt", lambda name: stem_of(name, ".pt"),
-                          write, load, settings=settings)
+                          write, load, served_by="sglang", settings=settings)
 
 
 FORMAT = _format()

@@ -85,7 +85,15 @@ def _format():
     from . import TrainingFormat
 
     return TrainingFormat("hscap", "hs_capture's packed .hst shards + index.json (HsCaptureDataset reads it)",
-                          None, lambda name: None, write_shard, load)
+                          None, lambda name: None, write_shard, load, owns_path=_owns)
+
+
+def _owns(rel: str) -> bool:
+    """index.json, and the shards under shards/."""
+    if rel in (NATIVE_INDEX, SHARD_DIR):
+        return True
+    d, name = os.path.split(rel)
+    return d == SHARD_DIR and name.startswith("part-") and name.endswith(TENSOR_SUFFIX)
 
 
 FORMAT = _format()

@@ -28,10 +28,11 @@ def load(path: str, key, headers) -> MergedSample:
                   fin.shape[-1], dtype_name(fin))
 
 
-def settings(layers, real_mask: bool) -> dict:
-    # SpecForge numbers a layer as SGLang's EAGLE-3 does, by its OUTPUT: entering index - 1
-    # (its default [1, N//2-1, N-4] is hs_capture's [2, N//2, N-3]); the loss mask is read per sample
-    return {"model.aux_hidden_state_layer_ids": [i - 1 for i in layers]}
+def settings(ids, real_mask: bool) -> dict:
+    # SGLang serves the drafter on the ids its draft config carries (eagle_config, copied into
+    # the exported config.json); the run config's own key names the same layers. The loss mask
+    # is read per sample.
+    return {"model.aux_hidden_state_layer_ids": ids, "eagle_config.eagle_aux_hidden_state_layer_ids": ids}
 
 
 def _format():
@@ -39,7 +40,7 @@ def _format():
 
     return TrainingFormat("specforge", "SpecForge: <id>-<hash>.ckpt, one torch.save dict per sample",
                           lambda rid, row: sample_file_stem(rid) + ".ckpt", lambda name: stem_of(name, ".ckpt"),
-                          write, load, settings=settings,
+                          write, load, served_by="sglang", settings=settings,
                           # 0.2.0's TargetHead casts the target's lm_head to bf16 whatever model.torch_dtype
                           # says, and multiplies the stored final state by it
                           state_dtypes=(("bfloat16",), "SpecForge 0.2.0's target head is bfloat16"))

@@ -124,10 +124,10 @@ def _identify(name: str):
         return None, None
 
 
-def settings(layers, real_mask: bool) -> dict:
-    # speculators numbers layers as vLLM collects them, by the state ENTERING a layer: the same
-    # indices as hs_capture (its default [2, N//2, N-3] is hs_capture's default too)
-    return {"target_layer_ids": list(layers)}
+def settings(ids, real_mask: bool) -> dict:
+    # speculators stores these as the drafter's eagle_aux_hidden_state_layer_ids; vLLM, which
+    # serves it, collects the state ENTERING each layer named
+    return {"target_layer_ids": ids}
 
 
 def _format():
@@ -135,7 +135,7 @@ def _format():
 
     return TrainingFormat("speculators", "speculators: hs_<row>.safetensors, 3 aux + the pre-norm final state",
                           lambda rid, row: f"hs_{row}.safetensors", _identify, write, load,
-                          needs_prenorm=True, aux_layers=3, settings=settings)
+                          needs_prenorm=True, aux_layers=3, served_by="vllm", settings=settings)
 
 
 FORMAT = _format()

@@ -15,6 +15,7 @@ import os
 import random
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ..layout import holds_dump
 from .dump import verify_dump
 from .merged import is_merged, verify_merged
 from .report import CHECKS, ERROR, WARNING, Finding, Report
@@ -32,7 +33,8 @@ def verify(paths: Sequence[str], dataset: Optional[Dict[str, List[int]]] = None,
     atol/rtol: fixed --reference bounds; both None = by the stored dtype (reference.py)."""
     report = Report(list(paths))
     merged = [p for p in paths if is_merged(p)]
-    dumps = [p for p in paths if p not in merged]
+    # a dump is checked wherever one is: merged output written into it must not hide its damage
+    dumps = [p for p in paths if p not in merged or holds_dump(p)]
     planned = None
     if dumps:
         planned = verify_dump(dumps, report, dataset, sample, jobs, seed,

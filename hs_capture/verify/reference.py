@@ -100,7 +100,8 @@ class Reference:
             handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("pre", a[0][0].detach().clone()))
         try:
             with torch.no_grad():
-                ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device)[None]
+                # a copy: merged files are read-only maps, which torch warns about
+                ids = torch.as_tensor(np.array(input_ids, dtype=np.int64), device=self.device)[None]
                 out = model(ids, output_hidden_states=True)
         finally:
             if handle is not None:

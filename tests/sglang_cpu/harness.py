@@ -1,6 +1,6 @@
 """Serve a tiny random DeepSeek-V3 with the REAL SGLang on this CPU, started the way the
 README documents (PYTHONPATH=hs_capture/sitecustomize python -m sglang.launch_server),
-and compare with transformers. Used by the tests and by bin/hscap-demo."""
+and compare with transformers. Used by the tests and by bin/demo.py."""
 
 from __future__ import annotations
 
