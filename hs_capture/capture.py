@@ -24,6 +24,7 @@ from . import __version__, config as config_mod
 from .config import CaptureConfig, ConfigError
 from .log import get_logger
 from .modes import ServerModes, read_modes
+from .serving_ids import served_ids
 from .sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from .targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from .step import take_step
@@ -206,7 +207,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
         flags = relevant_flags(args)
         if not cfg.writer_threads:
             cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, flags)))
-        meta = _run_meta(cfg, hf_config, layers, flags, par, modes)
+        meta = _run_meta(cfg, hf_config, layers, flags, par, modes, target)
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)),
                              step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
@@ -228,6 +229,9 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
              " and pre-norm" if cfg.prenorm else "", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
     log.info("server modes: %s", modes.describe())
+    unservable = served_ids(layers, "sglang", target.family if target else None, sglang_version()).problem()
+    if writer is not None and unservable:  # the data is right; a drafter trained on it would be served wrong
+        log.warning("WARNING: %s", unservable)
     if writer is not None and flags.get("disable_radix_cache") is False:
         log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
                     "capture starts past position 0; such samples are detected and reported incomplete "
@@ -252,7 +256,7 @@ def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
 
 
 def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict[str, Any], par: Any,
-              modes: ServerModes) -> Dict[str, Any]:
+              modes: ServerModes, target: Optional[Target]) -> Dict[str, Any]:
     return {
         "run_id": cfg.run_id,
         "hs_capture_version": __version__,
@@ -266,6 +270,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
         # architectures name only the inner class: record what the checkpoint says too
         "served_architectures": checkpoint_architectures(flags.get("model_path")) or [],
         "model_type": getattr(hf_config, "model_type", None),
+        "family": target.family if target is not None else None,  # how SGLang maps a drafter's layer ids
         "num_layers": int(hf_config.num_hidden_layers),
         "hidden_size": int(hf_config.hidden_size),
         "dtype_requested": flags.get("dtype"),
