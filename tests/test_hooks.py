@@ -1,10 +1,12 @@
 """The hooks against the REAL sglang installed in the test venv: what gets wrapped, the
 instrument/uninstrument round trip, and the bootstrap in fresh interpreters."""
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+import traceback
 import types
 
 import pytest
@@ -37,14 +39,56 @@ def instrumented(dsv2, clean_env):
         inst.uninstrument()
 
 
+class _ConfigRead(Exception):
+    """Raised by the first attribute SGLang's __init__ reads off its config: it stops there."""
+
+
+class _StopAtConfig:
+    def __getattr__(self, name):
+        raise _ConfigRead(name)
+
+
+def _hook_frames(cls, module):
+    """Build `cls` until SGLang's __init__ (in `module`) reads its config; how many frames of
+    hs_capture's instrumentor the call went through on the way."""
+    from hs_capture import instrumentor as instrumentor_mod
+
+    with pytest.raises(_ConfigRead) as raised:
+        cls(_StopAtConfig())
+    frames = traceback.extract_tb(raised.tb)[:-1]  # less _StopAtConfig.__getattr__
+    assert frames[-1].name == "__init__" and frames[-1].filename == inspect.getsourcefile(module)
+    return sum(f.filename == instrumentor_mod.__file__ for f in frames)
+
+
 def test_wraps_the_defining_classes_once(dsv2, instrumented):
-    assert is_wrapped(vars(dsv2.DeepseekV2ForCausalLM)["__init__"])
-    assert is_wrapped(vars(dsv2.DeepseekV2Model)["forward"])
-    # Kimi-K2's class inherits the wrapped __init__: no second wrapper on the subclass
+    from hs_capture.instrumentor import is_ours
+
+    init, forward = vars(dsv2.DeepseekV2ForCausalLM)["__init__"], vars(dsv2.DeepseekV2Model)["forward"]
+    for proxy, own in ((init, "DeepseekV2ForCausalLM.__init__"), (forward, "DeepseekV2Model.forward")):
+        # ours (uninstrument finds it), one layer deep, around SGLang's own function
+        assert is_ours(proxy) and not is_wrapped(proxy.__wrapped__) and proxy.__wrapped__.__qualname__ == own
+    # the forward of a model being captured goes to its capture state, once, with SGLang's forward
+    calls = []
+
+    class State:
+        def forward(self, wrapped, instance, args, kwargs):
+            calls.append((wrapped, instance, args, kwargs))
+            return "captured"
+
+    model = object.__new__(dsv2.DeepseekV2Model)  # no __init__: nothing of SGLang's runs
+    model.__dict__["_hscap_state"] = State()
+    assert model.forward("ids", "positions", forward_batch="batch") == "captured"
+    ((wrapped, instance, args, kwargs),) = calls
+    assert instance is model and args == ("ids", "positions") and kwargs == {"forward_batch": "batch"}
+    assert not is_wrapped(wrapped) and wrapped.__func__ is forward.__wrapped__
+    # Kimi-K2's class inherits the wrapped __init__: no second wrapper on the subclass, and
+    # building one goes through the hook once, into DeepseekV2ForCausalLM's own __init__
     for sub in (dsv2.DeepseekV3ForCausalLM, dsv2.DeepseekV32ForCausalLM):
         assert "__init__" not in vars(sub)
         owner = next(k for k in sub.__mro__ if "__init__" in vars(k))
         assert owner is dsv2.DeepseekV2ForCausalLM
+    for cls in (dsv2.DeepseekV2ForCausalLM, dsv2.DeepseekV3ForCausalLM, dsv2.DeepseekV32ForCausalLM):
+        assert _hook_frames(cls, dsv2) == 1, cls
 
 
 def test_every_family_is_wrapped_on_its_defining_classes_and_unwrapped_again(clean_env):
@@ -199,15 +243,37 @@ def test_sglang_eagle3_still_gets_exactly_its_layers(host_layers):
     assert got == {"L01": 1.0, "L03": 3.0}
 
 
-def test_capture_errors_never_reach_the_forward():
+@pytest.mark.parametrize("fault", ["submit", "layer bookkeeping"])
+def test_capture_errors_never_reach_the_forward(monkeypatch, fault):
+    """The writer failing, or our layer bookkeeping failing on what the host left in
+    layers_to_capture: the forward returns what the host would get, the error is counted and
+    logged, and the next prefill (the fault gone) is captured as before."""
+    from hs_capture import capture as capture_mod
+
+    logged = []
+    monkeypatch.setattr(capture_mod.log, "error", lambda msg, *a: logged.append(msg % a))
     state, model, parent, writer = _capture()
+    if fault == "submit":
+        def broken_submit(*a, **k):
+            raise RuntimeError("disk on fire")
 
-    def broken_submit(*a, **k):
-        raise RuntimeError("disk on fire")
-
-    writer.submit = broken_submit
+        writer.submit = broken_submit
+    else:
+        model.layers_to_capture = ["not a layer"]  # a new host list our sorting cannot take
     out = state.forward(_sglang_like_forward(model), model, (None, None, _batch()), {})
-    assert out[1] is None and state.errors == 1
+    assert isinstance(out, tuple) and torch.equal(out[0], torch.full((3, 4), -1.0)) and out[1] is None
+    assert state.errors == 1 and not writer.steps
+    what = "capture failed (1 so far), serving continues: RuntimeError: disk on fire" if fault == "submit" else \
+        "layer bookkeeping failed (1 so far), serving continues: TypeError"
+    assert len(logged) == 1 and logged[0].startswith(what), logged
+    if fault == "submit":
+        del writer.submit
+    else:
+        model.layers_to_capture = []  # the host's next list: nothing of its own
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch()), {})
+    assert out[1] is None and state.errors == 1 and len(writer.steps) == 1
+    _, tensors, aux_layers = writer.steps[0]
+    assert aux_layers == [1, 3] and tensors["aux"][0].tolist() == [1.0] * 4 + [3.0] * 4
 
 
 # ------------------------------------------------------------------ bootstrap, fresh interpreters

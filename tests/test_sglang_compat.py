@@ -1,6 +1,9 @@
 """Feature detection against the real sglang in the test venv (nothing published: a bare
-process), plus the flag logic for releases that only have server-args flags."""
+process; or a real ServerArgs published as a 0.5.23 scheduler does), plus the flag logic for
+releases that only have server-args flags."""
 
+import contextlib
+import os
 import sys
 
 import pytest
@@ -34,12 +37,23 @@ def test_ranks_default_to_a_single_process_without_distributed_state():
     assert info.rank.tag == "dp0-tp0-pp0" and info.writes and info.tp_size >= 1
 
 
-def test_a_non_last_pipeline_stage_does_not_write():
-    class PP:
-        rank_in_group, world_size, is_last_rank = 0, 2, False
+def _pp_group(stage: int, stages: int):
+    """SGLang's own GroupCoordinator of a pipeline, as its __init__ leaves it in the process of
+    `stage` (rank bookkeeping only: no process group is built on a CPU test machine)."""
+    from sglang.srt.distributed.parallel_state import GroupCoordinator
 
-    info = compat.parallel_info(PP())
-    assert info.rank.pp == 0 and not info.writes  # not the last stage: nothing to write
+    group = object.__new__(GroupCoordinator)
+    group.ranks = list(range(stages))
+    group.rank = group.ranks[stage]
+    group.world_size, group.rank_in_group = len(group.ranks), group.ranks.index(group.rank)
+    return group
+
+
+def test_a_non_last_pipeline_stage_does_not_write():
+    first, last = (compat.parallel_info(_pp_group(stage, 2)) for stage in (0, 1))
+    assert first.rank.pp == 0 and first.pp_size == 2 and not first.writes  # not the last stage: nothing to write
+    # the last stage writes, under its own pipeline rank
+    assert (last.rank.pp, last.pp_size, last.writes, last.rank.tag) == (1, 2, True, "dp0-tp0-pp1")
 
 
 def test_relevant_flags_keep_scalars_only():
@@ -70,31 +84,71 @@ def test_the_flags_that_keep_prefill_eager_are_asked_of_the_release():
     assert compat.prefill_graph_off_flags(set()) == ["--disable-cuda-graph"]
 
 
-class _Phase:
-    def __init__(self, backend):
-        self.backend = backend
+def _graph_config(decode, prefill):
+    """SGLang's own resolved CUDA-graph config (0.5.15 kept it on ServerArgs.cuda_graph_config)."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    return CudaGraphConfig(decode=PhaseConfig(backend=decode), prefill=PhaseConfig(backend=prefill))
 
 
-class _GraphConfig:  # sglang 0.5.15's resolved ServerArgs.cuda_graph_config
-    def __init__(self, decode, prefill):
-        self.decode, self.prefill = _Phase(decode), _Phase(prefill)
+@pytest.fixture(scope="module")
+def published(tiny_model):
+    """Real ServerArgs of the tiny DeepSeek-V3, resolved and published as a 0.5.23 scheduler
+    does it: the resolved CUDA-graph config is then in runtime_context.get_exec(), and only
+    there (the args keep what the operator typed). The context, and the environment variables
+    ServerArgs sets, are restored on exit."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    @contextlib.contextmanager
+    def publish(**flags):
+        env = dict(os.environ)
+        try:
+            args = ServerArgs(model_path=tiny_model, device="cuda", **flags)
+            with runtime_context.use_context(runtime_context.create_context(args, role="scheduler")):
+                yield args
+        finally:
+            for k in set(os.environ) - set(env):
+                del os.environ[k]
+            os.environ.update(env)
+
+    return publish
 
 
-@pytest.mark.parametrize("args, overlap, decode, prefill, wrong", [
+@pytest.mark.parametrize("source, args, overlap, decode, prefill, wrong", [
     # 0.5.15, DeepSeek (MLA) with default flags: SGLang itself turns breakable prefill graphs off
-    ({"device": "cuda", "cuda_graph_config": _GraphConfig("full", "disabled")}, True, "full", None, []),
-    ({"device": "cuda", "cuda_graph_config": _GraphConfig("full", "breakable")}, True, "full",
+    ("args", {"device": "cuda", "cuda_graph_config": ("full", "disabled")}, True, "full", None, []),
+    ("args", {"device": "cuda", "cuda_graph_config": ("full", "breakable")}, True, "full",
      "cuda_graph_backend_prefill=breakable", ["prefill CUDA graphs"]),
-    ({"device": "cuda", "disable_overlap_schedule": True, "disable_cuda_graph": True}, False, None, None, []),
-    ({"device": "cuda", "disable_prefill_cuda_graph": True}, True, "on", None, []),
-    ({"device": "cuda", "disable_prefill_cuda_graph": True, "enable_two_batch_overlap": True}, True, "on", None,
+    ("args", {"device": "cuda", "disable_overlap_schedule": True, "disable_cuda_graph": True}, False, None, None, []),
+    ("args", {"device": "cuda", "disable_prefill_cuda_graph": True}, True, "on", None, []),
+    ("args", {"device": "cuda", "disable_prefill_cuda_graph": True, "enable_two_batch_overlap": True}, True, "on",
+     None, ["two-batch overlap"]),
+    ("args", {"device": "cpu"}, True, None, None, []),
+    # a real 0.5.23 server (its published ServerArgs and resolved config), launched with these flags.
+    # Prefill graphs asked for in --cuda-graph-config: no flag of their own says so, only what
+    # SGLang resolved from it
+    ("published", {"cuda_graph_config": {"prefill": {"backend": "breakable"}}}, True, "full",
+     "cuda_graph_backend_prefill=breakable", ["prefill CUDA graphs"]),
+    ("published", {"cuda_graph_backend_prefill": "breakable"}, True, "full", "cuda_graph_backend_prefill=breakable",
+     ["prefill CUDA graphs"]),
+    ("published", {"disable_prefill_cuda_graph": True}, True, "full", None, []),
+    ("published", {"disable_prefill_cuda_graph": True, "cuda_graph_backend_decode": "disabled"}, True, None, None, []),
+    ("published", {"disable_overlap_schedule": True, "disable_cuda_graph": True}, False, None, None, []),
+    ("published", {"disable_prefill_cuda_graph": True, "enable_two_batch_overlap": True}, True, "full", None,
      ["two-batch overlap"]),
-    ({"device": "cpu"}, True, None, None, []),
 ])
-def test_server_modes_and_the_ones_capture_refuses(args, overlap, decode, prefill, wrong):
+def test_server_modes_and_the_ones_capture_refuses(published, source, args, overlap, decode, prefill, wrong):
     from hs_capture.modes import read_modes
 
-    m = read_modes(args)
+    if source == "published":
+        with published(**args) as server:
+            assert compat.server_args() is server  # what the hook reads at start-up
+            m = read_modes(compat.server_args())
+    else:
+        if "cuda_graph_config" in args:
+            args = {**args, "cuda_graph_config": _graph_config(*args["cuda_graph_config"])}
+        m = read_modes(args)
     assert (m.overlap, m.decode_graphs, m.prefill_graphs) == (overlap, decode, prefill)
     assert [w.what for w in m.wrong()] == wrong
     assert ("overlap (default)" if overlap else "normal") in m.describe()

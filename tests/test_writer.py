@@ -178,14 +178,40 @@ def test_below_the_free_space_floor_capture_stops(tmp_path):
     assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
 
 
-def test_atomic_write_removes_its_temp_file_on_error(tmp_path):
-    class Boom:
-        def __len__(self):
-            raise RuntimeError("boom")
+class _Boom(Exception):
+    pass
 
+
+def _chunks_then(error):
+    yield b"ok"  # some bytes are in the temp file when the error comes
+    raise error
+
+
+@pytest.mark.parametrize("where", ["write", "interrupt", "fsync", "rename"])
+def test_atomic_write_removes_its_temp_file_on_error(tmp_path, monkeypatch, where):
+    """Whatever fails (a chunk, a Ctrl-C or a shutdown mid-write, the fsync, the rename), the
+    caller gets that error and the directory holds neither the temp file nor the target."""
+    error = KeyboardInterrupt() if where == "interrupt" else _Boom(where)
+    chunks = [b"ok", b"more"]
+    if where in ("write", "interrupt"):
+        chunks = _chunks_then(error)
+    elif where == "fsync":
+        def fsync(fd):
+            raise error
+
+        monkeypatch.setattr(files_mod.os, "fsync", fsync)
+    else:
+        def replace(src, dst):
+            with open(src, "rb") as f:
+                assert f.read() == b"okmore"  # written whole, then refused
+            raise error
+
+        monkeypatch.setattr(files_mod.os, "replace", replace)
     target = tmp_path / "x.hst"
-    with pytest.raises(Exception):
-        files_mod.atomic_write(str(target), [b"ok", Boom()], fsync=True)
+    with pytest.raises(type(error)) as raised:
+        files_mod.atomic_write(str(target), chunks, fsync=True)
+    assert raised.value is error
+    monkeypatch.undo()
     assert os.listdir(tmp_path) == []
 
 
@@ -273,16 +299,35 @@ def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
     assert meta["disk_bound"]["forward_waited_s"] >= 2.0 and meta["stats"]["forward_waited_s"] >= 2.0
 
 
-def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path):
-    from hs_capture.config import default_writer_threads, inflight_budget
+def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path, monkeypatch):
+    from hs_capture import config as config_mod
 
+    # a 10-core host with 1 TiB of memory (on a small test host the 2-thread floor, the 4 GiB
+    # floor and the memory cap would give the same answer whatever the writer was told)
+    real_sysconf = os.sysconf
+    memory = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (1 << 40) // 4096}
+    monkeypatch.setattr(config_mod, "usable_cores", lambda: 10)
+    monkeypatch.setattr(config_mod.os, "sysconf", lambda name: memory[name] if name in memory else real_sysconf(name))
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-auto", layers=[1, 2], fsync=False)
-    sizes = [8192 * 3 * 7168 * 2, 8192 * 7168 * 2, 8192 * 8, 8192 * 8]
+    sizes = [8192 * 3 * 7168 * 2, 8192 * 7168 * 2, 8192 * 8, 8192 * 8]  # one H200 step: 470 MB
     w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H}, step_sizes=sizes)
     w.start()
+    started = len(w._threads)
     assert w.close()
-    threads = default_writer_threads()
-    assert (w.cfg.writer_threads, w.cfg.max_inflight_bytes) == (threads, inflight_budget(threads, sum(sizes)))
+    threads, budget = 10 - 4, (10 - 4 + 4) * sum(sizes)  # cores less 4; every thread busy plus 4 steps waiting
+    assert budget > 4 << 30  # above the floor: the step sizes decide it
+    assert (w.cfg.writer_threads, started, w.cfg.max_inflight_bytes) == (threads, threads, budget)
     with open(rank_meta_path(w.run_dir, w.rank)) as f:
         stats = json.load(f)["stats"]
-    assert (stats["writer_threads"], stats["inflight_budget_bytes"]) == (threads, w.cfg.max_inflight_bytes)
+    assert (stats["writer_threads"], stats["inflight_budget_bytes"]) == (threads, budget)
+    # settings given are kept, not resolved again
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-set", layers=[1, 2], fsync=False, writer_threads=3,
+                        max_inflight_bytes=123 << 20)
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H}, step_sizes=sizes)
+    w.start()
+    started = len(w._threads)
+    assert w.close()
+    assert (w.cfg.writer_threads, started, w.cfg.max_inflight_bytes) == (3, 3, 123 << 20)
+    with open(rank_meta_path(w.run_dir, w.rank)) as f:
+        stats = json.load(f)["stats"]
+    assert (stats["writer_threads"], stats["inflight_budget_bytes"]) == (3, 123 << 20)
