@@ -37,9 +37,38 @@ def run() -> bool:
 def preflight(module: object = None) -> None:
     """Check the settings that need no model (syntax, writable dir) as soon as SGLang's
     server arguments load; a bad one stops the server with one line, before hours of
-    serving with no capture."""
+    serving with no capture. Nothing is created here: a start refused later (the layer
+    check at model load) must leave no empty dump dir behind."""
     try:
         cfg = config.load()
-        config.check_dump_dir(cfg.dump_dir)
+        config.check_dump_dir(cfg.dump_dir, create=False)
     except config.ConfigError as e:
         raise SystemExit(f"[HS_DUMP] ERROR: {e}") from None
+    if module is not None:
+        _check_layers_when_args_parse(module)
+
+
+def _check_layers_when_args_parse(module: object) -> None:
+    """Check the layer set against a local checkpoint's config.json as soon as the launching
+    process has parsed its arguments: a bad set then stops the server with one line, before
+    SGLang starts its processes (at model load it is a scheduler traceback and a SIGKILL).
+    Any fault of this check itself is ignored: the model-load check still runs."""
+    if not callable(getattr(module, "prepare_server_args", None)):
+        return
+    import wrapt
+
+    def check(wrapped, instance, args, kwargs):
+        server_args = wrapped(*args, **kwargs)
+        try:
+            config.check_checkpoint_layers(os.environ, getattr(server_args, "model_path", None),
+                                           getattr(server_args, "json_model_override_args", None))
+        except config.ConfigError as e:
+            raise SystemExit(f"[HS_DUMP] ERROR: {e}") from None
+        except Exception:  # never stop a server for a fault of this early check
+            pass
+        return server_args
+
+    try:
+        wrapt.wrap_function_wrapper(module, "prepare_server_args", check)
+    except Exception:  # as above: the model-load check is the one that must hold
+        pass

@@ -6,6 +6,7 @@ message is the one line the server prints before it refuses to start.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
@@ -129,7 +130,8 @@ _SPARE_STEPS = 4  # steps that may wait for a thread before the forward does
 def inflight_budget(threads: int, step_bytes: int) -> int:
     """The default in-flight budget: every thread busy on a full step with a few more waiting
     (so that all of them can compress at once: 4 GiB held only ~8 of the H200's 470 MB steps,
-    and 12 threads compressed 4 of them), at least 4 GiB, at most an eighth of the host's memory."""
+    and 12 threads compressed 4 of them), capped at an eighth of the host's memory but never
+    below 4 GiB: the floor wins on a host with less than 32 GiB (e.g. 4 GiB on 23 GiB)."""
     want = max(_MIN_INFLIGHT, (threads + _SPARE_STEPS) * max(0, step_bytes))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -184,11 +186,24 @@ def _min_free(env: Mapping[str, str]) -> int:
     return int(gb * (1 << 30))
 
 
-def check_dump_dir(path: str) -> None:
-    """Make the dump dir (and prove it writable) or raise ConfigError."""
+def check_dump_dir(path: str, create: bool = True) -> None:
+    """Make the dump dir (and prove it writable) or raise ConfigError.
+
+    create=False proves the same and leaves nothing on disk (a start that is refused later
+    must not leave an empty dump dir behind): a missing dir is probed in its nearest
+    existing parent, the one directory makedirs would need to write in.
+    """
     try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".hscap-probe-{os.getpid()}")
+        where = path
+        if create:
+            os.makedirs(path, exist_ok=True)
+        else:
+            where = os.path.abspath(path)
+            while not os.path.lexists(where):
+                where = os.path.dirname(where)
+            if not os.path.isdir(where):
+                raise NotADirectoryError(f"{where} is not a directory")
+        probe = os.path.join(where, f".hscap-probe-{os.getpid()}")
         with open(probe, "wb") as f:
             f.write(b"ok")
         os.remove(probe)
@@ -203,6 +218,9 @@ def resolve_layers(requested: Optional[List[int]], num_layers: int) -> List[int]
     hidden_states[i]); the final state is always captured separately. The default
     is SGLang's EAGLE-3 default [2, N//2, N-3], deduplicated for tiny models.
     """
+    if num_layers < 2:  # the default would clamp to layer 0, outside the rule below
+        raise ConfigError(f"this {num_layers}-layer model has no layer 1..{num_layers - 1} to capture "
+                          "(index i = input of decoder layer i)")
     if requested is None:
         return sorted({min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
     bad = [i for i in requested if not 1 <= i < num_layers]
@@ -212,3 +230,46 @@ def resolve_layers(requested: Optional[List[int]], num_layers: int) -> List[int]
             f"(index i = input of decoder layer i; the final state is always captured)"
         )
     return list(requested)
+
+
+# Where a multimodal wrapper keeps its language model's config: the captured model is built
+# from it (KimiK25ForConditionalGeneration and KimiVL: text_config; DeepseekVL2: language_config).
+_TEXT_CONFIG_KEYS = ("text_config", "language_config")
+
+
+def checkpoint_num_layers(model_path: str) -> Optional[int]:
+    """The decoder layer count of a local checkpoint (its config.json; a multimodal
+    wrapper's text model), or None when it is not knowable before the model loads: a hub
+    id, no or unreadable config.json, no layer count in it."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isdir(model_path) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    for key in _TEXT_CONFIG_KEYS:
+        if isinstance(body.get(key), dict):
+            body = body[key]
+            break
+    n = body.get("num_hidden_layers")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def check_checkpoint_layers(env: Mapping[str, str], model_path: Optional[str],
+                            model_override_args: Optional[str] = None) -> Optional[List[int]]:
+    """The layers HSCAP_LAYERS (or the default) asks of the checkpoint at `model_path`, by
+    the rule the model load applies (resolve_layers), found before a server starts; None
+    when the layer count is not knowable here. ConfigError: a malformed or impossible set."""
+    requested = parse_layers(env.get("HSCAP_LAYERS", ""))
+    if not model_path:
+        return None
+    # SGLang applies --json-model-override-args to the config: a count given there wins over
+    # the file, so the file says nothing certain
+    if isinstance(model_override_args, str) and "num_hidden_layers" in model_override_args:
+        return None
+    num_layers = checkpoint_num_layers(model_path)
+    return None if num_layers is None else resolve_layers(requested, num_layers)

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import click
 
@@ -62,6 +62,33 @@ def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> T
     return [python, "-m", "sglang.launch_server", *flags, *sglang_args], env
 
 
+def flag_value(args: Sequence[str], name: str) -> Optional[str]:
+    """The value of `name` in server flags (`--name X` or `--name=X`; the last one, as argparse
+    reads it), or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a[len(name) + 1:]
+    return value
+
+
+def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
+    """What the server would refuse at start, found before SGLang starts and without
+    creating anything: the settings' syntax, the dump dir, and the layer set against a
+    local checkpoint's config.json (a hub id is left to the server's own check).
+    ConfigError on the first problem; nothing when HSCAP_DISABLE turns the hook off."""
+    if not config.is_enabled(env):
+        return
+    # load() wants the run id the hook fixes at start; any name checks the rest
+    cfg = config.load({**env, "HSCAP_RUN_ID": env.get("HSCAP_RUN_ID") or "check"})
+    config.check_checkpoint_layers(env, flag_value(sglang_args, "--model-path"),
+                                   flag_value(sglang_args, "--json-model-override-args"))
+    # last: its probe file touches the dir's mtime, which a refused layer set leaves alone
+    config.check_dump_dir(cfg.dump_dir, create=False)
+
+
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--dump-dir", "-d", required=True, type=click.Path(file_okay=False),
               help="Where the hidden states go (HSCAP_DIR).")
@@ -79,11 +106,18 @@ def serve(dump_dir: str, layers: str, prenorm: bool, python: str, dry_run: bool,
     the overlap scheduler stay on), --disable-radix-cache and --skip-server-warmup (see
     README); every other flag is passed through.
     """
-    cmd, env = build_command(dump_dir, sglang_args, python)
+    settings = {"HSCAP_DIR": os.path.abspath(dump_dir)}
     if layers:
-        env["HSCAP_LAYERS"] = layers
+        settings["HSCAP_LAYERS"] = layers
     if prenorm:
-        env["HSCAP_PRENORM"] = "1"
+        settings["HSCAP_PRENORM"] = "1"
+    # before the release probe and SGLang: a refused start costs nothing and creates nothing
+    try:
+        check_before_start({**os.environ, **settings}, sglang_args)
+    except config.ConfigError as e:
+        raise SystemExit(f"hscap serve: {e}") from None
+    cmd, env = build_command(dump_dir, sglang_args, python)
+    env.update(settings)
     if not config.prenorm(env):
         click.echo("hscap serve: the pre-norm final state is not captured; speculators trains on it "
                    "(merge --format speculators needs it): add --prenorm to capture it too", err=True)
