@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from hs_capture import codec as hcodec  # noqa: E402
+from hs_capture.dump import codec as hcodec  # noqa: E402
 
 torch.set_num_threads(1)
 

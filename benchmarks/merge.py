@@ -32,9 +32,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hs_capture.config import CaptureConfig  # noqa: E402
-from hs_capture.layout import RankId  # noqa: E402
-from hs_capture.writer import ShardWriter  # noqa: E402
+from hs_capture.server.config import CaptureConfig  # noqa: E402
+from hs_capture.dump.paths import RankId  # noqa: E402
+from hs_capture.server.writer import ShardWriter  # noqa: E402
 
 H, LAYERS, STEP = 7168, [2, 30, 58], 8192
 

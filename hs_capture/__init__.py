@@ -1,11 +1,10 @@
 """hs_capture: make an unmodified SGLang server dump EAGLE-3 hidden states.
 
-Server side (loaded through sitecustomize, never imports the offline tools):
-    bootstrap -> instrumentor (wrapt patching) -> capture (what to take from a forward)
-    -> writer (off the critical path) -> format/layout (the on-disk contract)
-Offline side (never imports sglang): reader, coverage, planning (index lines only), send,
-assemble -> formats -> merge (plans, hands out work) / merge_worker (decodes, writes),
-procs (worker processes), verify/, dataset, cli/ (one module per command).
+    dump/     the contract both sides share (paths, the .hst file, the typed records)
+    server/   everything that runs inside SGLang (never imports offline/)
+    offline/  send, merge, verify, the datasets (never imports server/ or sglang)
+    cli/      the `hscap` commands, on top of both
+    sitecustomize/  the hook's entry point on PYTHONPATH
 """
 
 __version__ = "0.1.0"

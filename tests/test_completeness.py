@@ -1,4 +1,4 @@
-"""One completeness rule (hs_capture.coverage) for send, merge and verify: they agree on a
+"""One completeness rule (hs_capture.offline.coverage) for send, merge and verify: they agree on a
 sample split across two runs, and on a sample captured whole and then again in part in the
 same run (the radix cache on, the dataset sent twice: the re-send recomputes only the last
 token), which is merged from its whole capture."""
@@ -10,11 +10,11 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from hs_capture import format as fmt
+from hs_capture.dump import hst as fmt
 from hs_capture.cli import main
-from hs_capture.layout import RankId, step_file
-from hs_capture.reader import open_runs
-from hs_capture.files import atomic_write
+from hs_capture.dump.paths import RankId, step_file
+from hs_capture.offline.reader import open_runs
+from hs_capture.dump.files import atomic_write
 from tests.sglang_cpu.harness import serve_and_send, server_env, write_jsonl
 from tests.test_verify import errors, verify
 

@@ -1,7 +1,7 @@
 import pytest
 
-from hs_capture import config
-from hs_capture.config import ConfigError
+from hs_capture.server import config
+from hs_capture.server.config import ConfigError
 
 
 def test_layers_parse_sorted_and_default():
@@ -50,7 +50,7 @@ def test_unwritable_dir_is_a_config_error(tmp_path):
 
 
 def test_writer_threads_follow_the_usable_cores_and_the_writers_on_the_host(monkeypatch):
-    from hs_capture import config
+    from hs_capture.server import config
 
     monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert config.default_writer_threads() == 12  # one writer on a 16-core H200 host

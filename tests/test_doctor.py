@@ -51,7 +51,7 @@ def test_a_ready_environment_and_what_the_flags_mean(tmp_path, other_sitecustomi
 def in_process(argv):
     """diagnose() in this process (sglang is imported once here): the judgement of flags and
     models. The subprocess tests above prove the command itself."""
-    from hs_capture.doctor import BLOCK, diagnose
+    from hs_capture.server.doctor import BLOCK, diagnose
 
     findings = {f.topic: f for f in diagnose(argv)}
     return (1 if any(f.status == BLOCK for f in findings.values()) else 0), findings
@@ -122,7 +122,7 @@ def test_a_model_no_target_captures_blocks(tmp_path):
 
 
 def test_the_pre_norm_state_speculators_needs_is_named_before_serving(tmp_path):
-    from hs_capture.doctor import check_settings
+    from hs_capture.server.doctor import check_settings
 
     without = {f.topic: f for f in check_settings({"HSCAP_DIR": str(tmp_path)})}
     assert without["pre-norm state"].status == "info" and "HSCAP_PRENORM=1" in without["pre-norm state"].action

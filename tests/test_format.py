@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hs_capture import format as fmt
+from hs_capture.dump import hst as fmt
 
 
 def encode(tensors, codec="zstd", meta=None, level=1):

@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from hs_capture import format as fmt
+from hs_capture.dump import hst as fmt
 from hs_capture.cli import main
-from hs_capture.config import CaptureConfig
-from hs_capture.layout import RankId
-from hs_capture.reader import line_problem, open_runs
-from hs_capture.formats.speculators import load_safetensors
-from hs_capture.writer import ShardWriter
+from hs_capture.server.config import CaptureConfig
+from hs_capture.dump.paths import RankId
+from hs_capture.offline.reader import line_problem, open_runs
+from hs_capture.offline.formats.speculators import load_safetensors
+from hs_capture.server.writer import ShardWriter
 from tests.sglang_cpu.stitch import stitch
 
 FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
@@ -189,7 +189,7 @@ def test_verify_and_merge_on_damaged_metadata_exit_cleanly(small_dump, tmp_path,
 @FUZZ
 @given(edits=mutation, cut=st.none() | st.integers(0, 4096))
 def test_safetensors_reader_fails_only_with_format_errors(tmp_path_factory, edits, cut):
-    from hs_capture.formats.speculators import save_safetensors
+    from hs_capture.offline.formats.speculators import save_safetensors
 
     base = tmp_path_factory.getbasetemp()
     path = os.path.join(str(base), "st.safetensors")

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from hs_capture.layout import part_name
+from hs_capture.dump.paths import part_name
 import wrapt
 
-from hs_capture.instrumentor import is_wrapped
+from hs_capture.server.instrumentor import is_wrapped
 from tests.sglang_cpu.harness import REPO, SHIMS
 
 sys.path.insert(0, SHIMS)  # the import-only vllm stand-in SGLang needs on a CPU machine
@@ -30,7 +30,7 @@ def dsv2():
 
 @pytest.fixture
 def instrumented(dsv2, clean_env):
-    from hs_capture.instrumentor import HsCaptureInstrumentor
+    from hs_capture.server.instrumentor import HsCaptureInstrumentor
 
     inst = HsCaptureInstrumentor()
     assert inst.instrument()
@@ -51,7 +51,7 @@ class _StopAtConfig:
 def _hook_frames(cls, module):
     """Build `cls` until SGLang's __init__ (in `module`) reads its config; how many frames of
     hs_capture's instrumentor the call went through on the way."""
-    from hs_capture import instrumentor as instrumentor_mod
+    from hs_capture.server import instrumentor as instrumentor_mod
 
     with pytest.raises(_ConfigRead) as raised:
         cls(_StopAtConfig())
@@ -61,7 +61,7 @@ def _hook_frames(cls, module):
 
 
 def test_wraps_the_defining_classes_once(dsv2, instrumented):
-    from hs_capture.instrumentor import is_ours
+    from hs_capture.server.instrumentor import is_ours
 
     init, forward = vars(dsv2.DeepseekV2ForCausalLM)["__init__"], vars(dsv2.DeepseekV2Model)["forward"]
     for proxy, own in ((init, "DeepseekV2ForCausalLM.__init__"), (forward, "DeepseekV2Model.forward")):
@@ -94,8 +94,8 @@ def test_wraps_the_defining_classes_once(dsv2, instrumented):
 def test_every_family_is_wrapped_on_its_defining_classes_and_unwrapped_again(clean_env):
     import importlib
 
-    from hs_capture.instrumentor import HsCaptureInstrumentor, is_ours
-    from hs_capture.targets import TARGETS
+    from hs_capture.server.instrumentor import HsCaptureInstrumentor, is_ours
+    from hs_capture.server.targets import TARGETS
 
     def owner(cls, attr):
         return next(k for k in cls.__mro__ if attr in vars(k))
@@ -137,7 +137,7 @@ def test_uninstrument_restores_the_originals_and_reinstrument_works(dsv2, instru
 
 
 def test_a_foreign_wrapper_is_left_alone(dsv2, clean_env):
-    from hs_capture.instrumentor import HsCaptureInstrumentor
+    from hs_capture.server.instrumentor import HsCaptureInstrumentor
 
     inst = HsCaptureInstrumentor()
     original = vars(dsv2.DeepseekV2Model)["forward"]
@@ -190,7 +190,7 @@ def _batch(mode="EXTEND", tokens=3):
 
 
 def _capture(host_layers=(), host_flag=False):
-    from hs_capture.capture import ModelCapture
+    from hs_capture.server.capture import ModelCapture
 
     parent, model = torch.nn.Module(), torch.nn.Module()  # weak-referenceable, like the real ones
     parent.capture_aux_hidden_states = host_flag
@@ -248,7 +248,7 @@ def test_capture_errors_never_reach_the_forward(monkeypatch, fault):
     """The writer failing, or our layer bookkeeping failing on what the host left in
     layers_to_capture: the forward returns what the host would get, the error is counted and
     logged, and the next prefill (the fault gone) is captured as before."""
-    from hs_capture import capture as capture_mod
+    from hs_capture.server import capture as capture_mod
 
     logged = []
     monkeypatch.setattr(capture_mod.log, "error", lambda msg, *a: logged.append(msg % a))
@@ -286,7 +286,7 @@ res = {"user_site": getattr(sys.modules.get("sitecustomize"), "USER_MARK", None)
 if len(sys.argv) > 1:
     sys.path.insert(0, sys.argv[1])
     import sglang.srt.models.deepseek_v2 as m
-    from hs_capture.instrumentor import is_wrapped
+    from hs_capture.server.instrumentor import is_wrapped
     res["forward_wrapped"] = is_wrapped(vars(m.DeepseekV2Model)["forward"])
     res["init_wrapped"] = is_wrapped(vars(m.DeepseekV2ForCausalLM)["__init__"])
 print("RESULT " + json.dumps(res))
@@ -336,7 +336,7 @@ def test_top_level_sitecustomize_dir_and_installed_path_are_the_same_hook(tmp_pa
 
 def test_hooks_apply_when_sglang_was_imported_first(tmp_path):
     code = (f"import sys; sys.path.insert(0, {SHIMS!r}); import sglang.srt.models.deepseek_v2 as m\n"
-            "from hs_capture import bootstrap\nfrom hs_capture.instrumentor import is_wrapped\n"
+            "from hs_capture.server import bootstrap\nfrom hs_capture.server.instrumentor import is_wrapped\n"
             "assert not is_wrapped(vars(m.DeepseekV2Model)['forward'])\n"
             "assert bootstrap.run()\n"
             "assert is_wrapped(vars(m.DeepseekV2Model)['forward'])\nprint('OK')\n")
@@ -386,8 +386,8 @@ def _flag_forward(model, hidden_size=4, tokens=3):
 
 
 def test_layer_flag_families_are_told_through_their_layers_and_the_host_keeps_its_own():
-    from hs_capture.capture import ModelCapture
-    from hs_capture.targets import LAYER_FLAGS
+    from hs_capture.server.capture import ModelCapture
+    from hs_capture.server.targets import LAYER_FLAGS
 
     parent, model = torch.nn.Module(), torch.nn.Module()
     parent.capture_aux_hidden_states = False

@@ -160,7 +160,7 @@ def test_incomplete_samples_are_listed_never_written(dump, tmp_path):
 def test_without_a_dataset_sglangs_warmup_is_left_out_and_said(dump, tmp_path):
     """The fixture's server ran without the launcher, so SGLang's startup warmup (ids [10, 11,
     12], a generated rid) was captured: merge without --dataset must not make it a sample."""
-    from hs_capture.planning import plan
+    from hs_capture.offline.planning import plan
 
     p = plan([dump["dir"]])
     warm = [rid for rid, pcs in p.samples.items() if rid not in {r["id"] for r in dump["rows"]}]
@@ -186,7 +186,7 @@ def test_bad_merge_input_is_one_line(dump, tmp_path):
 
 
 def test_native_packed_shards_random_access_and_resume(dump, tiny_model, tmp_path):
-    from hs_capture.dataset import HsCaptureDataset
+    from hs_capture.offline.dataset import HsCaptureDataset
 
     out = str(tmp_path / "native")
     s = run_merge(dump["dir"], "-o", out, "--format", "hscap", "--dataset", dump["data"])

@@ -2,7 +2,7 @@
 the JSON response) and the hook on the same REAL CPU server do not fight: each returns the
 layers it was asked for, equal to transformers' float32 forward. SGLang's flag goes through the
 same `set_eagle3_layers_to_capture` a served drafter's ids go through, so the ids
-hs_capture.serving_ids gives for layers 3,4 must come back as exactly those layers."""
+hs_capture.dump.layer_ids gives for layers 3,4 must come back as exactly those layers."""
 
 import json
 import urllib.request
@@ -12,7 +12,7 @@ import sglang
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.serving_ids import served_ids
+from hs_capture.dump.layer_ids import served_ids
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env, write_jsonl
 
 H = 256

@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from hs_capture.assemble import Assembler
-from hs_capture.planning import plan
-from hs_capture.verify.reference import Reference, Stored, Tolerance, compare
-from hs_capture.verify.report import Report
+from hs_capture.offline.assemble import Assembler
+from hs_capture.offline.planning import plan
+from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, compare
+from hs_capture.offline.verify.report import Report
 from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
 from tests.test_verify import verify
 

@@ -121,8 +121,8 @@ def test_a_refusal_at_model_load_leaves_no_dump_dir(tiny_model, tmp_path):
 def test_the_rule_is_the_model_loads_rule(tmp_path):
     """config.check_checkpoint_layers reads what the server will build: a wrapper's text
     model, nothing for what it cannot know, and the default layers of a model too small for any."""
-    from hs_capture import config
-    from hs_capture.config import ConfigError
+    from hs_capture.server import config
+    from hs_capture.server.config import ConfigError
 
     def ckpt(name, body):
         d = tmp_path / name

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
-from hs_capture import format as fmt
-from hs_capture.layout import TEMP_MARK
-from hs_capture.reader import open_runs, tensor_files
+from hs_capture.dump import hst as fmt
+from hs_capture.dump.paths import TEMP_MARK
+from hs_capture.offline.reader import open_runs, tensor_files
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
 from tests.sglang_cpu.stitch import stitch

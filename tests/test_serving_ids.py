@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from hs_capture.serving_ids import family_of, served_ids
+from hs_capture.dump.layer_ids import family_of, served_ids
 from tests.sglang_cpu.harness import REPO, SHIMS
 from tests.sglang_cpu.matrix import release_pythons
 from tests.test_versions import RELEASES

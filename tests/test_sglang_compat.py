@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hs_capture import sglang_compat as compat
+from hs_capture.server import sglang_compat as compat
 from tests.sglang_cpu.harness import SHIMS
 
 sys.path.insert(0, SHIMS)
@@ -139,7 +139,7 @@ def published(tiny_model):
      ["two-batch overlap"]),
 ])
 def test_server_modes_and_the_ones_capture_refuses(published, source, args, overlap, decode, prefill, wrong):
-    from hs_capture.modes import read_modes
+    from hs_capture.server.modes import read_modes
 
     if source == "published":
         with published(**args) as server:

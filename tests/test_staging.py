@@ -10,11 +10,11 @@ buffers after submit, and the stored step must still be the step that was submit
 import numpy as np
 import torch
 
-from hs_capture.config import CaptureConfig
-from hs_capture.layout import RankId
-from hs_capture.reader import open_runs
-from hs_capture.staging import Stager, may_be_refilled
-from hs_capture.writer import ShardWriter
+from hs_capture.server.config import CaptureConfig
+from hs_capture.dump.paths import RankId
+from hs_capture.offline.reader import open_runs
+from hs_capture.server.staging import Stager, may_be_refilled
+from hs_capture.server.writer import ShardWriter
 from tests.sglang_cpu.stitch import stitch
 
 H = 32
@@ -120,7 +120,7 @@ def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forwar
     import threading
     import time
 
-    from hs_capture.staging import PinnedPool
+    from hs_capture.server.staging import PinnedPool
 
     g = PinnedPool.GRANULE
     pool = PinnedPool(pin=False, cap=2 * g)

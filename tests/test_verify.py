@@ -11,7 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hs_capture import format as fmt
+from hs_capture.dump import hst as fmt
 from hs_capture.cli import main
 from tests.sglang_cpu.harness import make_tiny_deepseek, write_jsonl
 

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from hs_capture.verify.pool import bounded_map, pick
+from hs_capture.offline.verify.pool import bounded_map, pick
 
 
 def test_results_come_in_order_and_the_window_is_bounded():

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from hs_capture.verify.values import as_array, identical_pairs, value_problems
+from hs_capture.offline.verify.values import as_array, identical_pairs, value_problems
 
 
 def both(t):

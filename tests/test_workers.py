@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.config import CaptureConfig
-from hs_capture.layout import RankId
-from hs_capture.writer import ShardWriter
+from hs_capture.server.config import CaptureConfig
+from hs_capture.dump.paths import RankId
+from hs_capture.server.writer import ShardWriter
 
 H, LAYERS, STEP, STEPS = 32, [1, 3], 64, 12
 

@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from hs_capture import files as files_mod
-from hs_capture import backlog as backlog_mod
-from hs_capture import writer as writer_mod
-from hs_capture.config import CaptureConfig
-from hs_capture.layout import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
-from hs_capture.reader import open_runs
+from hs_capture.dump import files as files_mod
+from hs_capture.server import backlog as backlog_mod
+from hs_capture.server import writer as writer_mod
+from hs_capture.server.config import CaptureConfig
+from hs_capture.dump.paths import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
+from hs_capture.offline.reader import open_runs
 from tests.sglang_cpu.stitch import stitch
 
 H = 64
@@ -218,7 +218,7 @@ def test_atomic_write_removes_its_temp_file_on_error(tmp_path, monkeypatch, wher
 def test_a_writer_behind_writes_raw_until_it_catches_up_and_keeps_every_byte(tmp_path, monkeypatch):
     """Compression slower than the producer: over half the budget waiting, steps go raw (no
     forward held while raw writes keep up); every step decodes to the exact bytes submitted."""
-    from hs_capture import codec as codec_mod
+    from hs_capture.dump import codec as codec_mod
 
     real = codec_mod.encode_bytegroup
 
@@ -239,7 +239,7 @@ def test_a_writer_behind_writes_raw_until_it_catches_up_and_keeps_every_byte(tmp
     run = open_runs(str(tmp_path))[0]
     codecs = set()
     for line in index_lines(w):
-        from hs_capture import format as fmt
+        from hs_capture.dump import hst as fmt
 
         for part, f in line["files"].items():
             with open(os.path.join(run.path, f["path"]), "rb") as fh:
@@ -300,7 +300,7 @@ def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
 
 
 def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path, monkeypatch):
-    from hs_capture import config as config_mod
+    from hs_capture.server import config as config_mod
 
     # a 10-core host with 1 TiB of memory (on a small test host the 2-thread floor, the 4 GiB
     # floor and the memory cap would give the same answer whatever the writer was told)

@@ -30,11 +30,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hs_capture.config import CaptureConfig  # noqa: E402
-from hs_capture.layout import RankId  # noqa: E402
-from hs_capture.reader import open_runs  # noqa: E402
-from hs_capture.staging import step_buffer_bytes  # noqa: E402
-from hs_capture.writer import ShardWriter  # noqa: E402
+from hs_capture.server.config import CaptureConfig  # noqa: E402
+from hs_capture.dump.paths import RankId  # noqa: E402
+from hs_capture.offline.reader import open_runs  # noqa: E402
+from hs_capture.server.staging import step_buffer_bytes  # noqa: E402
+from hs_capture.server.writer import ShardWriter  # noqa: E402
 
 T, H, K = 8192, 7168, 3
 STEP_SIZES = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model computes at model init
@@ -125,7 +125,7 @@ def correctness(root: str, steps: int) -> dict:
 
 def staged_bandwidth(steps: int = 6) -> dict:
     """Device-to-host through our own path: Stager.stage (side stream, pinned pool) until ready."""
-    from hs_capture.staging import Stager
+    from hs_capture.server.staging import Stager
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     t = step_tensors(gen)
@@ -172,7 +172,7 @@ def graph_safety(root: str) -> dict:
     capture (as a prefill graph would run it), once eagerly."""
     from types import SimpleNamespace
 
-    from hs_capture.capture import ModelCapture
+    from hs_capture.server.capture import ModelCapture
 
     h, rows = 1024, 256
     w = make_writer(os.path.join(root, "g"), threads=2)

@@ -37,7 +37,7 @@ def emit(what: str, **kv) -> None:
 
 def imports(n: int) -> float:
     t0 = time.perf_counter()
-    ps = [subprocess.Popen([sys.executable, "-c", "import hs_capture.merge"], cwd=REPO) for _ in range(n)]
+    ps = [subprocess.Popen([sys.executable, "-c", "import hs_capture.offline.merge"], cwd=REPO) for _ in range(n)]
     for p in ps:
         p.wait()
     return round(time.perf_counter() - t0, 2)
@@ -107,8 +107,8 @@ def main() -> None:
             shutil.rmtree(out)
         for j in a.jobs:
             emit("verify", **run_verify(dump, a.step_tokens, "-j", str(j)))
-        from hs_capture.merge import merge
-        from hs_capture.verify import verify
+        from hs_capture.offline.merge import merge
+        from hs_capture.offline.verify import verify
 
         out = os.path.join(work, "out-prof")
         print(profile(lambda: merge([dump], out, "specforge", jobs=1, cache_bytes=1 << 30)), flush=True)

@@ -42,7 +42,7 @@ from tests.sglang_cpu.harness import free_port, terminate  # noqa: E402
 HSCAP = [sys.executable, "-m", "hs_capture.cli"]
 SERVER_FLAGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
                 "--skip-tokenizer-init", "--mem-fraction-static", "0.35", "--context-length", "4096"]
-UNFIX = "import hs_capture.staging as s\ns.CudaSideStream.own = lambda self, t: t  # the code before the fix\n"
+UNFIX = "import hs_capture.server.staging as s\ns.CudaSideStream.own = lambda self, t: t  # the code before the fix\n"
 
 
 def read_jsonl(path: str) -> List[dict]:

@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from capture import H, K, STEP_SIZES, T, prewarm_and_wait, write_results  # noqa: E402  (beside this file)
-from hs_capture import config  # noqa: E402
-from hs_capture.layout import RankId, index_path  # noqa: E402
-from hs_capture.writer import ShardWriter  # noqa: E402
+from hs_capture.server import config  # noqa: E402
+from hs_capture.dump.paths import RankId, index_path  # noqa: E402
+from hs_capture.server.writer import ShardWriter  # noqa: E402
 
 LAYERS, MATMULS = [2, 30, 58], 112
 assert K == len(LAYERS)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
-from .doctor_cmd import doctor
-from .ls_cmd import ls
-from .merge_cmd import merge_cmd
-from .send_cmd import send
-from .verify_cmd import verify_cmd
-from .serve_cmd import pythonpath, serve
+from hs_capture import __version__
+from hs_capture.cli.doctor_cmd import doctor
+from hs_capture.cli.ls_cmd import ls
+from hs_capture.cli.merge_cmd import merge_cmd
+from hs_capture.cli.send_cmd import send
+from hs_capture.cli.verify_cmd import verify_cmd
+from hs_capture.cli.serve_cmd import pythonpath, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,3 +1,3 @@
-from . import main
+from hs_capture.cli import main
 
 main()

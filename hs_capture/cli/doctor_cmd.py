@@ -7,7 +7,7 @@ from typing import Tuple
 
 import click
 
-from ._common import JSON, emit_json
+from hs_capture.cli._common import JSON, emit_json
 
 _MARK = {"ok": "ok   ", "info": "info ", "warn": "WARN ", "block": "BLOCK"}
 
@@ -23,7 +23,7 @@ def doctor(as_json: bool, sglang_args: Tuple[str, ...]) -> None:
     \b
     hscap doctor -- --model-path /models/DeepSeek-V3 --tp 8
     """
-    from ..doctor import BLOCK, as_dicts, diagnose  # imports sglang: only when asked
+    from hs_capture.server.doctor import BLOCK, as_dicts, diagnose  # imports sglang: only when asked
 
     findings = diagnose(list(sglang_args))
     blocked = any(f.status == BLOCK for f in findings)

@@ -7,8 +7,8 @@ import sys
 
 import click
 
-from ..reader import DumpError, open_runs
-from ._common import DUMP_DIR, JSON, emit_json
+from hs_capture.offline.reader import DumpError, open_runs
+from hs_capture.cli._common import DUMP_DIR, JSON, emit_json
 
 
 @click.command("ls")

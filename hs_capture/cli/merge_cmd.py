@@ -8,8 +8,8 @@ from typing import List, Tuple
 
 import click
 
-from ..formats import FORMATS, NAMES  # the registry imports no torch: `hscap` starts fast
-from ._common import JSON, QUIET, Progress, emit_json
+from hs_capture.offline.formats import FORMATS, NAMES  # the registry imports no torch: `hscap` starts fast
+from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
 
 
 def _shard(ctx, param, value: str) -> Tuple[int, int]:
@@ -45,8 +45,8 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
     file per complete sample. Incomplete samples are never written: they are listed, with
     the reason, in OUT/merge_report.json. Re-running skips finished files. OUT must be new,
     empty or hold only this format's merge output, and never lies inside a dump."""
-    from ..merge import REPORT, SETTINGS, MergeError, MergeResult, merge
-    from ..reader import DumpError
+    from hs_capture.offline.merge import REPORT, SETTINGS, MergeError, MergeResult, merge
+    from hs_capture.offline.reader import DumpError
 
     progress = Progress(enabled=not (quiet or as_json))
 

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import click
 
-from .. import send as sender
-from ..inputs import BadLine, InputSample, read_inputs
-from ._common import JSON, QUIET, Progress, emit_json
+from hs_capture.offline import send as sender
+from hs_capture.offline.inputs import BadLine, InputSample, read_inputs
+from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
 
 
 @click.command()
@@ -37,8 +37,8 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     prepared dataset directory, row k sent as id "k") to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
-    from ..planning import Captured
-    from ..reader import DumpError
+    from hs_capture.offline.planning import Captured
+    from hs_capture.offline.reader import DumpError
 
     try:  # the rule merge and verify judge by: a sample whole in the dumps is not sent again
         have = Captured(dump_dirs, strict=False, allow_empty=True) if dump_dirs else None

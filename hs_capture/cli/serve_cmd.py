@@ -10,9 +10,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from .. import config
+from hs_capture.server import config
+from hs_capture.server.bootstrap import HOOK_DIR
 
-HOOK_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sitecustomize")
 
 # The flags capture needs, each for a reason (README "Launcher"):
 # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
@@ -37,7 +37,7 @@ def pythonpath() -> None:
 
 
 _PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
-          "from hs_capture.sglang_compat import prefill_off_flags_here; "
+          "from hs_capture.server.sglang_compat import prefill_off_flags_here; "
           "print(json.dumps(prefill_off_flags_here()))")
 
 

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import click
 
-from ._common import JSON, QUIET, Progress, emit_json
+from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
 
 
 def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
@@ -59,9 +59,9 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
                layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
     dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
-    from ..inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
-    from ..heap import keep_large_buffers
-    from ..verify import verify
+    from hs_capture.offline.inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
+    from hs_capture.offline.heap import keep_large_buffers
+    from hs_capture.offline.verify import verify
 
     keep_large_buffers()  # decoded steps reuse the heap instead of faulting fresh pages in
 

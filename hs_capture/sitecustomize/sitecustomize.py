@@ -1,4 +1,4 @@
-# hs_capture bootstrap. No logic here: it lives in hs_capture.bootstrap (ddtrace's pattern).
+# hs_capture bootstrap. No logic here: it lives in hs_capture.server.bootstrap (ddtrace's pattern).
 # Loaded by `PYTHONPATH=<this dir> python -m sglang.launch_server ...` in every SGLang
 # process; then it chain-loads the sitecustomize this file shadows on sys.path.
 import os
@@ -17,7 +17,7 @@ try:
         import hs_capture  # noqa: F401  (installed copy)
     except ImportError:  # running from a checkout: the package sits three levels up
         sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
-    from hs_capture import bootstrap
+    from hs_capture.server import bootstrap
 
     _debug("hooks registered" if bootstrap.run() else "inert (HSCAP_DIR not set)")
     loaded = True

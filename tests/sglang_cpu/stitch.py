@@ -1,6 +1,6 @@
 """Every captured position of every request of one writing rank, in memory, with a mask of
 what was covered: the tests' view of a dump (small dumps only). It decides nothing about
-completeness: that is hs_capture.coverage's one rule (what send, merge and verify use)."""
+completeness: that is hs_capture.offline.coverage's one rule (what send, merge and verify use)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from hs_capture.layout import FINAL, PRENORM, part_layer
-from hs_capture.reader import DumpError, Run
+from hs_capture.dump.paths import FINAL, PRENORM, part_layer
+from hs_capture.offline.reader import DumpError, Run
 
 
 @dataclass

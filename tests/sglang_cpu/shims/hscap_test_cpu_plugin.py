@@ -32,7 +32,7 @@ def _slow_disk():
     ms = float(os.environ.get("HSCAP_TEST_SLOW_DISK_MS", "0") or 0)
     if not ms:
         return
-    from hs_capture import writer
+    from hs_capture.server import writer
 
     real = writer.ShardWriter._write_step
 

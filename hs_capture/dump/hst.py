@@ -1,0 +1,314 @@
+"""The .hst tensor file: the one module the server side and the offline tools share.
+
+Layout (modelled on safetensors, FORMAT.md has the full rules):
+
+    8 bytes   magic b"HSCAPT\\x00\\x01"
+    8 bytes   N, little-endian u64: header length
+    N bytes   UTF-8 JSON header, space-padded so the payload starts 8-byte aligned
+    ...       payload: each tensor's bytes, coded by the codec its entry names
+
+Header: {"__format__": {"version": 1}, "__metadata__": {str: str},
+         name: {"dtype", "shape", "codec", "offsets": [begin, end), "nbytes", "crc32"}}
+``crc32`` is of the raw (decoded) bytes, so a file is checked whatever its codec.
+Values are not checked (NaN/Inf allowed); that is verify's job.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO, Dict, Iterable, List, Mapping, Sequence
+
+from hs_capture.dump import codec as _codec
+from hs_capture.dump.codec import CODECS, CodecError, FormatError, SizeMismatch  # noqa: F401 (re-exported)
+
+MAGIC = b"HSCAPT\x00\x01"
+FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: shapes beyond it are corrupt, whatever they claim
+_PREFIX = len(MAGIC) + 8
+
+# name -> bytes per element. bfloat16 has no numpy dtype: readers view it through torch.
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
+
+
+class HeaderTooSmall(FormatError):
+    pass
+
+
+class BadMagic(FormatError):
+    pass
+
+
+class HeaderTooLarge(FormatError):
+    """The header declares more than MAX_HEADER_BYTES."""
+
+
+class Truncated(FormatError):
+    """The file ends before what its header describes (the header itself, or the payload)."""
+
+
+class TrailingBytes(FormatError):
+    """The file holds bytes past what its header describes."""
+
+
+class InvalidHeader(FormatError):
+    pass
+
+
+class UnsupportedVersion(FormatError):
+    pass
+
+
+class TensorInvalidInfo(FormatError):
+    pass
+
+
+class InvalidOffset(FormatError):
+    """Tensors' byte ranges leave a gap, overlap, or disagree with their shape."""
+
+
+class ChecksumMismatch(FormatError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple
+    codec: str
+    begin: int
+    end: int
+    nbytes: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: Dict[str, str]
+    tensors: Dict[str, TensorEntry]
+    payload_start: int
+
+
+def encode_payload(raw, codec: str, level: int, itemsize: int = 1, dtype: str = "", row_bytes: int = 0):
+    return _codec.encode(raw, codec, level, itemsize, dtype, row_bytes)
+
+
+def decode_payload(data: bytes, codec: str, nbytes: int, itemsize: int = 1) -> bytes:
+    return _codec.decode(data, codec, nbytes, itemsize)
+
+
+# ---------------------------------------------------------------- writing
+@dataclass(frozen=True)
+class RawTensor:
+    """What the writer hands in: a name, a dtype name, a shape and C-order bytes (a buffer,
+    or a 2-D uint8 numpy array of row-contiguous bytes: see _raw_and_crc)."""
+
+    name: str
+    dtype: str
+    shape: Sequence[int]
+    data: memoryview
+
+
+def encode_file(
+    tensors: Iterable[RawTensor], metadata: Mapping[str, str], codec: str = "zstd", level: int = 1
+) -> List[bytes]:
+    """Return the chunks of one .hst file (header first), ready to be written in order."""
+    _codec.codec_for(codec, "float32")  # an unknown codec fails before any work
+    entries: Dict[str, dict] = {}
+    payloads: List[bytes] = []
+    offset = 0
+    # Sorted names give identical bytes for identical captures.
+    for t in sorted(tensors, key=lambda t: t.name):
+        if t.dtype not in ITEMSIZE:
+            raise TensorInvalidInfo(f"{t.name}: unsupported dtype {t.dtype!r}")
+        expect = _checked_nbytes(t.name, t.dtype, t.shape)
+        nbytes = t.data.size if _is_block(t.data) else memoryview(t.data).nbytes
+        if nbytes != expect:
+            raise SizeMismatch(f"{t.name}: {nbytes} bytes given, shape/dtype need {expect}")
+        used = _codec.codec_for(codec, t.dtype)
+        if used == "bytegroup" and nbytes:  # it checksums the bytes as it reads them
+            row_bytes = int(t.shape[-1]) * ITEMSIZE[t.dtype] if len(t.shape) else 0
+            chunks, crc = _codec.encode_bytegroup(t.data, level, ITEMSIZE[t.dtype], t.dtype, row_bytes)
+        else:
+            raw, crc = _raw_and_crc(t.data)
+            if not isinstance(raw, memoryview):
+                import numpy as np
+
+                raw = memoryview(np.ascontiguousarray(raw)).cast("B")
+            payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype], t.dtype)
+            chunks = payload if isinstance(payload, list) else [payload]
+        size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
+        entries[t.name] = {
+            "dtype": t.dtype,
+            "shape": [int(s) for s in t.shape],
+            "codec": used,
+            "offsets": [offset, offset + size],
+            "nbytes": nbytes,
+            "crc32": crc,
+        }
+        payloads += chunks
+        offset += size
+    header = {
+        "__format__": {"version": FORMAT_VERSION},
+        "__metadata__": {str(k): str(v) for k, v in metadata.items()},
+        **entries,
+    }
+    blob = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    blob += b" " * (-len(blob) % 8)
+    return [MAGIC + struct.pack("<Q", len(blob)) + blob, *payloads]
+
+
+def _is_block(data) -> bool:
+    """A 2-D uint8 numpy array whose rows are contiguous but not adjacent (a column block)."""
+    return hasattr(data, "flags") and data.ndim == 2 and not data.flags.c_contiguous
+
+
+def _raw_and_crc(data):
+    """Bytes to encode and their crc32. `data` is a buffer, or a 2-D uint8 numpy array whose
+    rows are contiguous but not adjacent (one layer's column block of SGLang's packed aux
+    buffer): such a block is checksummed row by row and never copied whole."""
+    if _is_block(data):
+        import numpy as np
+
+        crc = 0
+        step = max(1, (1 << 20) // max(1, data.shape[1]))
+        for a in range(0, data.shape[0], step):  # ~1 MB gathered per crc call: few GIL round trips
+            crc = zlib.crc32(np.ascontiguousarray(data[a:a + step]), crc)
+        return data, crc
+    view = memoryview(data)
+    raw = view.cast("B") if view.nbytes else memoryview(b"")
+    return raw, zlib.crc32(raw)
+
+
+def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
+    n = ITEMSIZE[dtype]
+    for s in shape:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise TensorInvalidInfo(f"{name}: bad shape {list(shape)!r}")
+        n *= s
+        if n > 1 << 62:
+            raise TensorInvalidInfo(f"{name}: shape {list(shape)!r} overflows")
+    return n
+
+
+# ---------------------------------------------------------------- reading
+def read_header(f: BinaryIO, file_size: int) -> Header:
+    """Validate and return the header of an open .hst file, rules in a fixed order."""
+    if file_size < _PREFIX:
+        raise HeaderTooSmall(f"file is {file_size} bytes, smaller than the {_PREFIX}-byte prefix")
+    f.seek(0)
+    prefix = f.read(_PREFIX)
+    if prefix[: len(MAGIC)] != MAGIC:
+        raise BadMagic("not an hs_capture tensor file (bad magic)")
+    (n,) = struct.unpack("<Q", prefix[len(MAGIC):])
+    if n > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(f"header length {n} exceeds {MAX_HEADER_BYTES}")
+    if _PREFIX + n > file_size:
+        raise Truncated(f"header length {n} runs past the end of the {file_size}-byte file")
+    raw = f.read(n)
+    try:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("header does not start with '{'")
+        header = json.loads(text, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InvalidHeader(f"header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise InvalidHeader("header is not a JSON object")
+    fmt = header.pop("__format__", None)
+    if not isinstance(fmt, dict) or fmt.get("version") != FORMAT_VERSION:
+        raise UnsupportedVersion(f"format version {fmt!r} is not {FORMAT_VERSION}")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InvalidHeader("__metadata__ must map strings to strings")
+    tensors: Dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        tensors[name] = _entry(name, info)
+    expected = 0
+    for e in sorted(tensors.values(), key=lambda e: e.begin):
+        if e.begin != expected or e.end < e.begin:
+            raise InvalidOffset(f"{e.name}: offsets [{e.begin}, {e.end}) leave a gap or overlap")
+        expected = e.end
+    payload_start = _PREFIX + n
+    if payload_start + expected > file_size:
+        raise Truncated(f"payload ends at {payload_start + expected} but the file has {file_size} bytes")
+    if payload_start + expected < file_size:
+        raise TrailingBytes(f"payload ends at {payload_start + expected} but the file has {file_size} bytes")
+    return Header(meta, tensors, payload_start)
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise ValueError(f"duplicate key {k!r}")
+        d[k] = v
+    return d
+
+
+def _entry(name: str, info) -> TensorEntry:
+    try:
+        dtype, shape, codec = info["dtype"], info["shape"], info["codec"]
+        begin, end = info["offsets"]
+        nbytes, crc = info["nbytes"], info["crc32"]
+    except (TypeError, KeyError, ValueError):
+        raise TensorInvalidInfo(f"{name}: incomplete tensor entry") from None
+    if dtype not in ITEMSIZE:
+        raise TensorInvalidInfo(f"{name}: unsupported dtype {dtype!r}")
+    if codec not in CODECS:
+        raise CodecError(f"{name}: unknown codec {codec!r}")
+    if codec == "bytegroup" and dtype not in _codec.FLOAT_DTYPES:
+        raise CodecError(f"{name}: bytegroup is for floats, not {dtype}")
+    if not isinstance(shape, list):
+        raise TensorInvalidInfo(f"{name}: shape is not a list")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (begin, end, nbytes, crc)):
+        raise TensorInvalidInfo(f"{name}: offsets, nbytes and crc32 must be non-negative integers")
+    if nbytes > MAX_TENSOR_BYTES:
+        raise TensorInvalidInfo(f"{name}: {nbytes} bytes is beyond any tensor ({MAX_TENSOR_BYTES} max)")
+    if _checked_nbytes(name, dtype, shape) != nbytes:
+        raise TensorInvalidInfo(f"{name}: nbytes {nbytes} disagrees with shape {shape} of {dtype}")
+    return TensorEntry(name, dtype, tuple(shape), codec, begin, end, nbytes, crc)
+
+
+def read_tensor_bytes(f: BinaryIO, header: Header, name: str) -> bytes:
+    """Decode one tensor's raw bytes and check them against the header's crc32."""
+    try:
+        e = header.tensors[name]
+    except KeyError:
+        raise TensorInvalidInfo(f"no tensor named {name!r}") from None
+    f.seek(header.payload_start + e.begin)
+    data = f.read(e.end - e.begin)
+    raw, crc = _codec.decode_checked(data, e.codec, e.nbytes, ITEMSIZE[e.dtype])
+    if crc != e.crc32:
+        raise ChecksumMismatch(f"{name}: crc32 of the decoded bytes does not match the header")
+    return raw
+
+
+def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]):
+    """Raw bytes to a numpy array; bfloat16 comes back as float32 (numpy has no bf16)."""
+    import numpy as np
+
+    if dtype == "bfloat16":
+        u16 = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+        return u16.view(np.float32).reshape(shape)
+    return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+
+
+def to_torch(raw: bytes, dtype: str, shape: Sequence[int]):
+    """Raw bytes to a torch tensor of the recorded dtype (bfloat16 included), without a copy.
+    The tensor shares the (read-only) bytes: callers that write to it must clone it first."""
+    import warnings
+
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    if not raw:
+        return torch.empty(tuple(shape), dtype=tdtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "buffer is not writable": we never write through it
+        t = torch.frombuffer(raw, dtype=tdtype)
+    return t.reshape(tuple(shape))

@@ -1,0 +1,92 @@
+"""Stitch requests back together from one or more dumps (offline; never imports sglang):
+`Assembler` decodes step files through a byte-bounded LRU cache and returns each planned
+sample's tensors (planning.py) in the stored dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from hs_capture.dump import hst as fmt
+from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.offline.planning import Piece, Plan
+from hs_capture.offline.reader import DumpError
+
+
+@dataclass
+class AssembledSample:
+    """One sample cut from a dump's steps and stitched in position order (what merge writes)."""
+
+    rid: str
+    input_ids: torch.Tensor  # (T,) int64
+    layers: Dict[int, torch.Tensor]  # layer -> (T, H), stored dtype
+    final: torch.Tensor  # (T, H) post-norm
+    prenorm: Optional[torch.Tensor]  # (T, H) or None
+
+    @property
+    def raw_bytes(self) -> int:
+        ts = [self.final, *self.layers.values()] + ([self.prenorm] if self.prenorm is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class Assembler:
+    """Decodes step files once and serves every sample inside them (LRU, bounded in bytes)."""
+
+    def __init__(self, plan: Plan, cache_bytes: int = 2 << 30) -> None:
+        self.plan = plan
+        self.cache_bytes = cache_bytes
+        self._cache: "OrderedDict[tuple, Dict[str, Dict[str, torch.Tensor]]]" = OrderedDict()
+        self._cached = 0
+        self.bytes_read = 0
+
+    def _load(self, piece: Piece) -> Dict[str, Dict[str, torch.Tensor]]:
+        run = self.plan.runs[piece.run]
+        key = (piece.run, piece.rank, piece.step)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        parts: Dict[str, Dict[str, torch.Tensor]] = {}
+        size = 0
+        for part, rel in piece.files:
+            path = os.path.join(run.path, rel)
+            try:
+                with open(path, "rb") as f:
+                    st = os.fstat(f.fileno()).st_size
+                    header = fmt.read_header(f, st)
+                    parts[part] = {n: fmt.to_torch(fmt.read_tensor_bytes(f, header, n), e.dtype, e.shape)
+                                   for n, e in header.tensors.items()}
+            except (OSError, fmt.FormatError) as e:
+                raise DumpError(f"{rel}: {e}") from None
+            self.bytes_read += st
+            size += sum(t.numel() * t.element_size() for t in parts[part].values())
+        self._cache[key] = parts
+        self._cached += size
+        while self._cached > self.cache_bytes and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= sum(t.numel() * t.element_size() for p in old.values() for t in p.values())
+        return parts
+
+    def sample(self, rid: str) -> AssembledSample:
+        pieces = self.plan.samples[rid]
+        ids, final, pre = [], [], []
+        layers: Dict[int, list] = {layer: [] for layer in self.plan.layers}
+        for p in pieces:
+            parts = self._load(p)
+            rows = slice(p.offset, p.offset + p.length)
+            try:
+                ids.append(parts[FINAL]["input_ids"][rows])
+                final.append(parts[FINAL]["hidden"][rows])
+                for layer in layers:
+                    layers[layer].append(parts[part_name(layer)]["hidden"][rows])
+                if self.plan.prenorm:
+                    pre.append(parts[PRENORM]["hidden"][rows])
+            except KeyError as e:
+                raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
+        return AssembledSample(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},
+                             torch.cat(final), torch.cat(pre) if pre else None)

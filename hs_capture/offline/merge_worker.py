@@ -1,0 +1,110 @@
+"""What runs in merge's worker processes (or in merge's own, at -j 1): cut samples out of
+the decoded steps and write them. The only part of merge that imports torch; merge.py plans
+and hands out work without it (procs.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from hs_capture.offline.assemble import AssembledSample, Assembler
+from hs_capture.offline.formats import FORMATS, native
+from hs_capture.offline.formats.common import dtype_name
+from hs_capture.offline.heap import keep_large_buffers
+from hs_capture.offline.inputs import Inputs
+from hs_capture.offline.merge_result import Item, MergeResult
+from hs_capture.offline.planning import Plan
+from hs_capture.offline import procs
+from hs_capture.offline.reader import DumpError, first_mismatch
+
+
+def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeResult):
+    """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
+    try:
+        s = asm.sample(rid)
+    except DumpError as e:  # a file gone or corrupt since indexing: this sample only
+        res.incomplete[rid] = f"unreadable: {e}"
+        return None
+    if ds is not None:
+        want = ds.ids[rid]
+        k = first_mismatch(s.input_ids.tolist(), want)
+        if k is not None:
+            res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
+            return None
+    mask = ds.masks.get(rid) if ds is not None else None
+    loss_mask = torch.tensor(mask, dtype=torch.int64) if mask is not None else torch.ones(len(s.input_ids), dtype=torch.int64)
+    return s, loss_mask
+
+
+# What every task of a worker process shares, set once by init (the plan is large: it is
+# sent to each process once, not with every task), and its Assembler, whose cache carries
+# over from one task to the next.
+_W: Dict[str, object] = {}
+
+
+def init(p: Plan, out_dir: str, fmt_name: str, ds: Optional[Inputs], cache_bytes: int, jobs: int = 1) -> None:
+    keep_large_buffers()
+    if jobs > 1:  # N workers each with torch's default (every core) oversubscribe the host N-fold
+        torch.set_num_threads(max(1, procs.cores() // jobs))
+    _W.update(plan=p, out_dir=out_dir, fmt=fmt_name, ds=ds, asm=Assembler(p, cache_bytes))
+
+
+def clear() -> None:
+    """Drop the plan and the decoded steps (a -j 1 merge runs in the caller's process)."""
+    _W.clear()
+
+
+def _count(res: MergeResult, s: AssembledSample) -> None:
+    """A sample written: its tokens, bytes and stored dtype in the result."""
+    res.written += 1
+    res.tokens += len(s.input_ids)
+    res.raw_bytes += s.raw_bytes
+    name = dtype_name(s.final)
+    if name not in res.dtypes:
+        res.dtypes.append(name)
+
+
+def write_files(items: List[Item]) -> MergeResult:
+    """One file per sample (every format but the native one); a file that exists is done."""
+    asm, ds = _W["asm"], _W["ds"]
+    f = FORMATS[_W["fmt"]]
+    res = MergeResult(f.name)
+    read0 = asm.bytes_read
+    for row, rid in items:
+        path = os.path.join(_W["out_dir"], f.file_name(rid, row))
+        if os.path.exists(path):
+            res.skipped_existing += 1
+            continue
+        got = _checked_sample(asm, rid, ds, res)
+        if got is None:
+            continue
+        s, loss_mask = got
+        res.bytes_out += f.write(path, s, loss_mask)
+        _count(res, s)
+    res.bytes_in = asm.bytes_read - read0
+    res.worker_peak_rss_bytes = procs.peak_rss_bytes()
+    return res
+
+
+def write_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
+    """Native format: packed shard files, each a fixed run of samples; one that exists is done."""
+    asm, ds = _W["asm"], _W["ds"]
+    res = MergeResult(native.FORMAT.name)
+    read0 = asm.bytes_read
+    for path, items in shards:
+        if os.path.exists(path):
+            res.skipped_existing += len(items)
+            continue
+        packed = []
+        for row, rid in items:
+            got = _checked_sample(asm, rid, ds, res)
+            if got is not None:
+                packed.append((row, got[0], got[1]))
+                _count(res, got[0])
+        if packed:
+            res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
+    res.bytes_in = asm.bytes_read - read0
+    res.worker_peak_rss_bytes = procs.peak_rss_bytes()
+    return res

@@ -1,0 +1,121 @@
+"""Which pieces (run, rank, step, rows) make every request whole, from index lines only:
+no tensor is read and no torch is imported, so merge and verify plan (and hand work to their
+worker processes) before anything heavy loads. assemble.py then cuts the samples out.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from hs_capture.offline.coverage import Span, whole_chain
+from hs_capture.dump.paths import step_parts
+from hs_capture.offline.reader import DumpError, Run, open_runs
+
+
+class MixedRuns(DumpError):
+    """Runs in one merge disagree on layers, hidden size, dtype or pre-norm capture."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    run: int  # index into Plan.runs
+    rank: str
+    step: int
+    files: Tuple[Tuple[str, str], ...]  # (part, relative path)
+    offset: int
+    length: int
+    prefix: int
+
+
+@dataclass
+class Plan:
+    runs: List[Run]
+    layers: List[int]
+    hidden_size: int
+    prenorm: bool
+    samples: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces, by position
+    incomplete: Dict[str, str] = field(default_factory=dict)  # rid -> reason
+    extras: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces captured again, not used
+
+
+def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
+    keys = set()
+    for run in runs:
+        for tag, meta in run.ranks.items():
+            keys.add((tuple(meta["layers"]), int(meta["hidden_size"]), bool(meta.get("prenorm", False))))
+    if len(keys) != 1:
+        raise MixedRuns(f"the runs disagree on (layers, hidden size, pre-norm): {sorted(keys)}")
+    layers, hidden, prenorm = keys.pop()
+    return list(layers), hidden, prenorm
+
+
+class Captured:
+    """Every request's pieces in some dumps (index lines only: no tensor is read), and the one
+    completeness rule (coverage.whole_chain) applied to them: what `hscap send` skips on
+    resume, and what merge and verify plan from."""
+
+    def __init__(self, dump_dirs: Iterable[str], strict: bool = True, exclude_prefix: str = "HEALTH_CHECK_",
+                 allow_empty: bool = False) -> None:
+        """Not strict: unreadable metadata and index lines are skipped (verify reports them).
+        allow_empty: a dir with no run yet holds nothing (send's first run), not an error."""
+        runs: List[Run] = []
+        for d in dump_dirs:
+            found = open_runs(d, errors=None if strict else []) if os.path.isdir(d) or not allow_empty else []
+            if not found and not allow_empty:
+                raise DumpError(f"{d}: no hs_capture run found")
+            runs += [r for r in found if all(os.path.realpath(r.path) != os.path.realpath(x.path) for x in runs)]
+        runs.sort(key=lambda r: os.path.basename(r.path))  # run ids start with their UTC start time
+        self.runs = runs
+        self.layers, self.hidden_size, self.prenorm = _check_same(runs) if runs else ([], 0, False)
+        self.parts = step_parts(self.layers, self.prenorm)
+        # A run's pieces are keyed by run id and rank, not by directory: one run copied or split
+        # across dump dirs (one per node) is still one run; the same step seen twice counts once.
+        self.pieces: Dict[str, Dict[Tuple[str, str, int], Piece]] = {}
+        for i, run in enumerate(runs):
+            for tag in run.ranks:
+                for line in run.index(tag, strict):
+                    if "files" not in line:
+                        continue  # a dropped step holds nothing
+                    files = tuple(sorted((part, f["path"]) for part, f in line["files"].items()))
+                    for s in line["seqs"]:
+                        rid = s["rid"]
+                        if rid is None or rid.startswith(exclude_prefix):
+                            continue
+                        piece = Piece(i, tag, int(line["step"]), files, int(s["offset"]), int(s["len"]),
+                                      int(s["prefix"]))
+                        self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
+                                                                   piece)
+
+    def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
+        """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
+        length: the dataset's (None: as far as it was captured)."""
+        pieces = list(self.pieces.get(rid, {}).values())
+        usable = [p for p in pieces if not set(self.parts) - {part for part, _ in p.files}]
+        j = whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable], length)
+        if j.whole:
+            return [s.ref for s in j.chain], None, [s.ref for s in j.extras]
+        broken = [p for p in pieces if p not in usable]
+        if broken:  # the true cause of the hole: a step that lacks a part
+            lacking = sorted(set(self.parts) - {x for x, _ in broken[0].files})
+            return None, f"step {broken[0].step} of {broken[0].rank} lacks {', '.join(lacking)}", []
+        return None, j.reason, []
+
+
+def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
+         exclude_prefix: str = "HEALTH_CHECK_", strict: bool = True) -> Plan:
+    """Decide every sample's pieces. With `lengths` (from the dataset), only those ids count
+    and each must reach its full length; else every captured rid, as far as it was captured.
+    Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
+    cap = Captured(dump_dirs, strict, exclude_prefix)
+    result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm)
+    for rid in (lengths.keys() if lengths is not None else cap.pieces.keys()):
+        chain, reason, extras = cap.judge(rid, lengths.get(rid) if lengths is not None else None)
+        if chain is None:
+            result.incomplete[rid] = reason or "never captured"
+            continue
+        result.samples[rid] = chain
+        if extras:
+            result.extras[rid] = extras
+    return result

@@ -1,0 +1,333 @@
+"""What to take from a target's forward, and how to hand SGLang back what it expects.
+
+Patching lives in instrumentor.py; this module is the logic behind the two wrappers of
+every target (targets.py): `setup_model` (after `<Family>ForCausalLM.__init__`) and
+`ModelCapture.forward` (around `<Family>Model.forward`). SGLang's own capture does the
+work on the GPU: the layers it is told to capture make the forward return `(hidden, aux)`,
+taken after the fused all-reduce, so it is right under TP > 1.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import threading
+import weakref
+from dataclasses import asdict, replace
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from hs_capture import __version__
+
+from hs_capture.server import config as config_mod
+from hs_capture.server.config import CaptureConfig, ConfigError
+from hs_capture.server.log import get_logger
+from hs_capture.server.modes import ServerModes, read_modes
+from hs_capture.dump.layer_ids import served_ids
+from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
+from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
+from hs_capture.server.step import take_step
+from hs_capture.server.writer import ShardWriter
+
+log = get_logger()
+
+# Real prefill only: not decode, idle, verify or draft passes (their tokens are not the prompt's).
+CAPTURED_MODES = frozenset({"EXTEND", "MIXED"})
+LAYER_CONVENTION = "entering: index i = residual stream entering decoder layer i = transformers hidden_states[i]"
+_ERROR_LOG_EVERY = 100
+_writers: "weakref.WeakSet[ShardWriter]" = weakref.WeakSet()
+
+
+class ModelCapture:
+    """Per-Model (`DeepseekV2Model`, `LlamaModel`, ...) state. Kept in the instance __dict__
+    as `_hscap_state`."""
+
+    def __init__(self, layers: List[int], host_layers: List[int], hidden_size: int,
+                 writer: Optional[ShardWriter], parent: Any, select: str = LIST) -> None:
+        self.layers = layers
+        self.layer_flags = select == LAYER_FLAGS
+        self.host_layers = host_layers  # what SGLang itself asked for (EAGLE-3, DFlash)
+        self.host_flag = bool(getattr(parent, "capture_aux_hidden_states", False))
+        self.hidden_size = hidden_size
+        self.writer = writer
+        self._parent = weakref.ref(parent)
+        self._last_set: Optional[List[int]] = None
+        self._lists: Optional[tuple] = None  # (ours + host's, host's only)
+        self.errors = 0
+        self.steps = 0
+        self._graph_skips = 0
+        self._want_prenorm = False
+        self._prenorm: Optional[torch.Tensor] = None
+        self.prenorm_hooked = False
+
+    def hook_prenorm(self, norm: Any) -> None:
+        """Capture the final norm's input. Called as norm(hidden, residual) it returns
+        (normed, hidden + residual): the updated residual IS the pre-norm state, taken
+        after any fused all-reduce; called as norm(hidden), the input is."""
+
+        def after_norm(module, inputs, output):
+            if self._want_prenorm:
+                pre = output[1] if isinstance(output, tuple) and len(output) > 1 else inputs[0]
+                self._prenorm = pre.detach().clone()  # borrowed storage: own a copy
+
+        self._prenorm_handle = norm.register_forward_hook(after_norm)
+        self.prenorm_hooked = True
+
+    # The host may call set_eagle3_layers_to_capture after us, possibly with the very layers
+    # we chose: it always assigns a new list, so a list object we did not set is theirs.
+    def _sync_host(self, current: List[int]) -> None:
+        if self._last_set is not None and current is not self._last_set:
+            self.host_layers = sorted(set(current))
+            self._lists = None
+
+    def layers_for(self, model: Any, capturing: bool) -> List[int]:
+        """Set (and return) the layers SGLang captures in this forward. The two lists are
+        built once per host change, not per forward: decode steps run this too."""
+        self._sync_host(model.layers_to_capture)
+        if self._lists is None:
+            self._lists = (sorted(set(self.host_layers) | set(self.layers)), list(self.host_layers))
+        want = self._lists[0] if capturing else self._lists[1]
+        if self.layer_flags and want is not self._last_set:
+            _flag_layers(model, want)
+        model.layers_to_capture = want
+        self._last_set = want
+        return want
+
+    def forward(self, wrapped, model: Any, args: tuple, kwargs: dict):
+        fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+        mode = getattr(getattr(fb, "forward_mode", None), "name", None)
+        capturing = self.writer is not None and not self.writer.stopped and mode in CAPTURED_MODES
+        if capturing and _graph_capturing():
+            # Under CUDA-graph capture this Python runs once, on placeholder inputs, and never
+            # again on replay: take nothing (and add no layer to the graph), say so once.
+            capturing = False
+            self._graph_skips += 1
+            if self._graph_skips == 1:
+                log.warning("a %s forward ran under CUDA-graph capture: not captured (its replays "
+                            "would never reach this hook); disable prefill CUDA graphs", mode)
+        try:
+            current = self.layers_for(model, capturing)
+        except Exception as e:  # never let bookkeeping break serving
+            self._error("layer bookkeeping", e)
+            capturing, current = False, list(model.layers_to_capture)
+        self._want_prenorm = capturing and self.prenorm_hooked
+        try:
+            out = wrapped(*args, **kwargs)
+        finally:
+            self._want_prenorm = False
+        hidden, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
+        if capturing and aux is not None:
+            try:
+                self._capture(fb, mode, hidden, aux, current)
+            except Exception as e:
+                self._error("capture", e)
+        return self._host_output(hidden, aux, current)
+
+    def _host_output(self, hidden: Any, aux: Any, current: List[int]):
+        """Exactly what the CausalLM would get without us."""
+        parent = self._parent()
+        wants_tuple = bool(getattr(parent, "capture_aux_hidden_states", False))
+        if not wants_tuple:
+            return hidden
+        if aux is None or not self.host_layers:
+            return hidden, None
+        if current == self.host_layers:
+            return hidden, aux
+        idx = [current.index(i) for i in self.host_layers]
+        if isinstance(aux, torch.Tensor):
+            h = self.hidden_size
+            return hidden, torch.cat([aux[..., j * h:(j + 1) * h] for j in idx], dim=-1)
+        return hidden, [aux[j] for j in idx]
+
+    def _capture(self, fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int]) -> None:
+        pre = None
+        if self.prenorm_hooked:
+            pre, self._prenorm = self._prenorm, None
+            if pre is None:
+                raise ValueError("the final norm's input was not seen in this forward")
+        meta, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
+        self.writer.submit(meta, tensors, aux_layers)
+        self.steps += 1
+        if self.steps == 1:
+            log.info("rank %s: first prefill captured (%d tokens, %d sequences, %s)",
+                     self.writer.rank.tag, meta["num_tokens"], len(meta["seqs"]), meta["dtype"])
+
+    def _error(self, what: str, e: BaseException) -> None:
+        self.errors += 1
+        if self.errors == 1 or self.errors % _ERROR_LOG_EVERY == 0:
+            log.error("%s failed (%d so far), serving continues: %s: %s", what, self.errors, type(e).__name__, e)
+
+    def restore(self, model: Any) -> None:
+        """Give SGLang back the capture settings it had before us."""
+        model.layers_to_capture = list(self.host_layers)
+        if self.layer_flags:
+            _flag_layers(model, self.host_layers)
+        if self.prenorm_hooked:
+            self._prenorm_handle.remove()
+            self.prenorm_hooked = False
+        parent = self._parent()
+        if parent is not None:
+            parent.capture_aux_hidden_states = self.host_flag or bool(self.host_layers)
+
+
+def _flag_layers(model: Any, layers: List[int]) -> None:
+    """The layer-flag families read `_is_layer_to_capture` on each decoder layer."""
+    wanted = set(layers)
+    for i, layer in enumerate(model.layers):
+        if bool(getattr(layer, "_is_layer_to_capture", False)) != (i in wanted):
+            setattr(layer, "_is_layer_to_capture", i in wanted)
+
+
+def _graph_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None) -> Optional[ModelCapture]:
+    """Turn capture on for a freshly built CausalLM. ConfigError stops the server."""
+    model = getattr(causal_lm, "model", None)
+    if model is None or not hasattr(model, "layers_to_capture"):
+        log.info("%s has no layers_to_capture (a NextN/MTP draft?): not captured", type(causal_lm).__name__)
+        return None
+    par = parallel_info(getattr(causal_lm, "pp_group", None))
+    if not par.is_last_pp_rank:
+        log.info("pp rank %d is not the last stage: it holds no captures", par.rank.pp)
+        return None
+    cfg = config_mod.load()
+    num_layers = int(hf_config.num_hidden_layers)
+    layers = config_mod.resolve_layers(cfg.layers, num_layers)
+    args = server_args()
+    modes = read_modes(args)
+    wrong = modes.wrong(" ".join(prefill_off_flags_here()))
+    if wrong:
+        raise ConfigError("; ".join(str(w) for w in wrong))
+    writer = None
+    if par.writes:
+        config_mod.check_dump_dir(cfg.run_dir)
+        flags = relevant_flags(args)
+        if not cfg.writer_threads:
+            cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, flags)))
+        meta = _run_meta(cfg, hf_config, layers, flags, par, modes, target)
+        rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
+        writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)),
+                             step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
+        writer.start()
+        _writers.add(writer)
+        writer.prewarm()
+        _install_shutdown(cfg.flush_timeout_s)
+    state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm,
+                         target.select if target is not None else LIST)
+    if cfg.prenorm and writer is not None:
+        state.hook_prenorm(model.norm)
+    model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
+    state.layers_for(model, capturing=True)
+    causal_lm.capture_aux_hidden_states = True
+    where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads, "
+             f"{writer.cfg.max_inflight_bytes / 2 ** 30:.1f} GiB in flight)") if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
+    log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; %s",
+             type(causal_lm).__name__, layers, "entering-layer convention",
+             " and pre-norm" if cfg.prenorm else "", where)
+    log.info("CausalLM: capture_aux_hidden_states=True")
+    log.info("server modes: %s", modes.describe())
+    unservable = served_ids(layers, "sglang", target.family if target else None, sglang_version()).problem()
+    if writer is not None and unservable:  # the data is right; a drafter trained on it would be served wrong
+        log.warning("WARNING: %s", unservable)
+    if writer is not None and flags.get("disable_radix_cache") is False:
+        log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
+                    "capture starts past position 0; such samples are detected and reported incomplete "
+                    "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
+    return state
+
+
+def _writers_on_host(par: Any, flags: Dict[str, Any]) -> int:
+    """Writing ranks sharing this host's cores: one per DP group, spread over the nodes."""
+    writers = par.dp_size if flags.get("enable_dp_attention") else 1
+    nodes = max(1, int(flags.get("nnodes") or 1))
+    return max(1, -(-writers // nodes))
+
+
+def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
+    """Host bytes of one full step: packed aux, final, input_ids, positions."""
+    if rows <= 0:
+        return []
+    dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    itemsize = 4 if str(dtype).endswith("float32") else 2
+    return [rows * hidden * k * itemsize, rows * hidden * itemsize, rows * 8, rows * 8]
+
+
+def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict[str, Any], par: Any,
+              modes: ServerModes, target: Optional[Target]) -> Dict[str, Any]:
+    return {
+        "run_id": cfg.run_id,
+        "hs_capture_version": __version__,
+        "sglang_version": sglang_version(),
+        "torch_version": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "model_path": flags.get("model_path"),
+        "architectures": list(getattr(hf_config, "architectures", None) or []),
+        # a wrapper (Kimi-K2.5) builds the captured CausalLM from its text_config, whose
+        # architectures name only the inner class: record what the checkpoint says too
+        "served_architectures": checkpoint_architectures(flags.get("model_path")) or [],
+        "model_type": getattr(hf_config, "model_type", None),
+        "family": target.family if target is not None else None,  # how SGLang maps a drafter's layer ids
+        "num_layers": int(hf_config.num_hidden_layers),
+        "hidden_size": int(hf_config.hidden_size),
+        "dtype_requested": flags.get("dtype"),
+        "layers": layers,
+        "layer_convention": LAYER_CONVENTION,
+        "sglang_layers_to_capture": layers,
+        "final_state": "post_norm",
+        "prenorm": cfg.prenorm,
+        "parallel": par.as_dict(),
+        "server_flags": flags,
+        "server_modes": asdict(modes),
+        "codec": cfg.codec,
+        "level": cfg.level,
+        "writer_threads": cfg.writer_threads,
+        "on_full": cfg.on_full,
+    }
+
+
+# ----------------------------------------------------------------- shutdown
+_shutdown_installed = False
+
+
+def close_all(timeout: float = 600.0) -> None:
+    for w in list(_writers):
+        done = w.close(timeout)
+        s = w.stats
+        log.info("rank %s: closed%s: %d steps, %d tokens, %.1f MB raw -> %.1f MB on disk, %d dropped, %d failed",
+                 w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
+                 s["tokens_written"], s["raw_bytes"] / 1e6, s["file_bytes"] / 1e6,
+                 s["steps_dropped"], s["steps_failed"])
+
+
+def _install_shutdown(flush_timeout_s: float) -> None:
+    """Flush on normal exit and on SIGTERM (then hand the signal to whoever had it)."""
+    global _shutdown_installed
+    if _shutdown_installed:
+        return
+    _shutdown_installed = True
+    atexit.register(close_all)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except Exception:
+        return
+
+    def on_sigterm(signum, frame):
+        close_all(flush_timeout_s)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except Exception as e:
+        log.warning("could not install the SIGTERM flush: %s", e)

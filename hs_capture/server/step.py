@@ -1,0 +1,63 @@
+"""What one captured forward hands the writer: the step's index metadata (which requests,
+their lengths, prefix lengths and rows) and its tensors, trimmed of padding rows, with
+SGLang's aux captures (a packed [T, K*H] tensor from 0.5.23, a list of [T, H] up to 0.5.15)
+named by the layers they hold. Pure logic on what the forward returned: no state, no I/O."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.server.step_files import dtype_name
+
+
+def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
+              hidden_size: int, prenorm: Optional[torch.Tensor] = None
+              ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], List[int]]:
+    """(index metadata, tensors, the layers of the packed "aux" tensor's column blocks).
+    `current`: the layers SGLang captured in this forward (ours and the host's); `layers`: ours."""
+    seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
+    prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
+    rids = getattr(fb, "rids", None)
+    rids = [None if r is None else str(r) for r in rids] if rids is not None else [None] * len(seq_lens)
+    if not (len(rids) == len(seq_lens) == len(prefix)):
+        raise ValueError(f"batch of {len(seq_lens)} sequences carries {len(rids)} rids")
+    n = sum(seq_lens)  # rows past n are padding (DP attention, graphs)
+    if hidden.shape[0] < n:
+        raise ValueError(f"final state has {hidden.shape[0]} rows for {n} tokens")
+    tensors: Dict[str, torch.Tensor] = {FINAL: hidden[:n], "tokens": fb.input_ids[:n], "positions": fb.positions[:n]}
+    if prenorm is not None:
+        if prenorm.shape[0] < n:
+            raise ValueError(f"the final norm's input has {prenorm.shape[0]} rows for {n} tokens")
+        tensors[PRENORM] = prenorm[:n]
+    aux_layers = _take_aux(tensors, aux, current, layers, hidden_size, n)
+    offsets, acc = [], 0
+    for length in seq_lens:
+        offsets.append(acc)
+        acc += length
+    meta = {"mode": mode, "num_tokens": n, "rows": int(hidden.shape[0]), "dtype": dtype_name(hidden.dtype),
+            "seqs": [{"rid": r, "len": ln, "prefix": p, "offset": o}
+                     for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)]}
+    return meta, tensors, aux_layers
+
+
+def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], layers: List[int], h: int,
+              n: int) -> List[int]:
+    """Our layers out of SGLang's aux captures, into `tensors`; returns the packed tensor's layers."""
+    if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
+        if aux.shape[-1] != h * len(current):
+            raise ValueError(f"aux is {tuple(aux.shape)}, expected {len(current)} x {h} columns")
+        if current == layers:
+            tensors["aux"] = aux[:n]  # split on the host by the writer: no device copy
+            return list(current)
+        for layer in layers:
+            j = current.index(layer)
+            tensors[part_name(layer)] = aux[:n, j * h:(j + 1) * h]
+        return []
+    if len(aux) != len(current):  # up to 0.5.15: a list of [T, H] tensors in layer order
+        raise ValueError(f"{len(aux)} aux tensors for layers {current}")
+    for layer in layers:
+        tensors[part_name(layer)] = aux[current.index(layer)][:n]
+    return []
