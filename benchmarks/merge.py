@@ -35,6 +35,7 @@ sys.path.insert(0, REPO)
 from hs_capture.server.config import CaptureConfig  # noqa: E402
 from hs_capture.dump.paths import RankId  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 
 H, LAYERS, STEP = 7168, [2, 30, 58], 8192
 
@@ -48,7 +49,7 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     cfg = CaptureConfig(dump_dir=root, run_id="run-bench", layers=LAYERS, writer_threads=threads, fsync=False)
-    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H, "num_layers": 61, "prenorm": False})
+    w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=H, num_layers=61))
     w.start()
     outliers = torch.randperm(H, generator=g)[:16]
     rid, left, pos = 0, rng.randrange(64, 4096), 0
@@ -73,7 +74,8 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
         tensors = {"aux": aux, "final": final,
                    "tokens": torch.randint(0, 100000, (step_tokens,), generator=g),
                    "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
-        w.submit({"mode": "EXTEND", "num_tokens": step_tokens, "seqs": seqs}, tensors, aux_layers=LAYERS)
+        w.submit(step_line("EXTEND", step_tokens, step_tokens, "bfloat16", [SeqEntry(**s) for s in seqs]), tensors,
+                 aux_layers=LAYERS)
     w.close()
     return rid  # whole samples (the last, unfinished one is incomplete: merge skips it)
 

@@ -45,9 +45,10 @@ def split_run(dump, from_step):
     new = os.path.join(dump, new_id)
     for sub in ("ranks", "index"):
         os.makedirs(os.path.join(new, sub))
-    for tag, meta in run.ranks.items():
+    for tag, typed in run.ranks.items():
+        meta = typed.to_json()  # the files as written, edited by hand
         keep, move = [], []
-        for line in run.index(tag):
+        for line in (x.to_json() for x in run.index(tag)):
             (move if line["step"] >= from_step else keep).append(line)
         for path, run_id, lines in ((os.path.join(run.path, "ranks", tag + ".json"), meta["run_id"], keep),
                                     (os.path.join(new, "ranks", tag + ".json"), new_id, move)):
@@ -82,7 +83,7 @@ def test_a_sample_split_across_two_runs_is_whole_for_send_merge_and_verify(serve
     (run,) = open_runs(dump)
     tag = next(iter(run.ranks))
     long_rid = served_dump["rows"][7]["id"]  # 600 tokens: five 128-token chunks
-    steps = sorted(x["step"] for x in run.index(tag) if any(s["rid"] == long_rid for s in x["seqs"]))
+    steps = sorted(x.step for x in run.index(tag) if long_rid in x.rids())
     assert len(steps) >= 3
     split_run(dump, steps[1])  # its first chunk in the first run, the rest in the second
     rows, data = served_dump["rows"], served_dump["data"]
@@ -115,8 +116,8 @@ def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_cap
     seen = {}
     for tag in run.ranks:
         for line in run.index(tag):
-            for s in line["seqs"]:
-                seen.setdefault(s["rid"], []).append((s["prefix"], s["len"]))
+            for s in line.seqs:
+                seen.setdefault(s.rid, []).append((s.prefix, s.len))
     again = [r["id"] for r in rows if len(seen[r["id"]]) > 1 and any(p > 0 for p, _ in seen[r["id"]])]
     assert len(again) >= 4, seen  # the re-sends hit the radix cache: captured again in part
     assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows)

@@ -138,3 +138,24 @@ def test_hscap_serve_says_when_the_pre_norm_state_is_not_captured(tmp_path):
     assert res.exit_code == 0 and "add --prenorm" in res.output
     res = CliRunner().invoke(main, ["serve", "-d", str(tmp_path), "--prenorm", "--dry-run", "--", "--model-path", "m"])
     assert res.exit_code == 0 and "add --prenorm" not in res.output
+
+
+def test_doctor_reports_the_writer_threads_the_server_will_use_and_blocks_a_bad_layer_set(tmp_path, monkeypatch):
+    from hs_capture.server import config
+
+    monkeypatch.setenv("HSCAP_DIR", str(tmp_path / "dump"))
+    monkeypatch.syspath_prepend(HOOK)
+    monkeypatch.setattr(config, "usable_cores", lambda: 16)  # a 16-core host
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 6}))
+    flags = ("--model-path", str(model), "--disable-cuda-graph", "--disable-radix-cache")
+    _, f = in_process(flags)
+    assert "12 (auto) writer threads per writing rank, 1 writing rank(s) on this host" in f["settings"].detail
+    # DP attention: one writer per DP group, all on this host, sharing its cores (as capture.py decides)
+    _, f = in_process(flags + ("--tp", "4", "--dp", "4", "--enable-dp-attention"))
+    assert "3 (auto) writer threads per writing rank, 4 writing rank(s) on this host" in f["settings"].detail
+    monkeypatch.setenv("HSCAP_LAYERS", "2,9")
+    code, f = in_process(flags)
+    assert code == 1 and f["settings"].status == "block" and "outside 1..5" in f["settings"].detail
+    assert not (tmp_path / "dump").exists()  # a check creates nothing

@@ -75,7 +75,7 @@ def test_send_then_resume_skips_what_is_captured(extraction):
 
 def test_launcher_added_the_capture_flags(extraction):
     (run,) = open_runs(extraction["dump"])
-    flags = run.ranks["dp0-tp0-pp0"]["server_flags"]
+    flags = run.ranks["dp0-tp0-pp0"].extra["server_flags"]
     assert flags["disable_radix_cache"] is True and flags["chunked_prefill_size"] == CHUNK
     assert "radix cache is on" not in extraction["log"]
 
@@ -98,7 +98,7 @@ def test_a_layer_set_sglang_cannot_serve_is_said_at_capture_and_at_merge(extract
 
 def test_forwards_were_batched_and_chunked(extraction):
     (run,) = open_runs(extraction["dump"])
-    lines = [x for x in run.index("dp0-tp0-pp0") if "files" in x]
+    lines = [x.to_json() for x in run.index("dp0-tp0-pp0") if x.written]
     assert max(len(x["seqs"]) for x in lines) >= 3  # several requests in one forward
     assert max(x["num_tokens"] for x in lines) <= CHUNK
     long_rids = {r["id"] for r in extraction["rows"] if len(r["input_ids"]) > CHUNK}

@@ -417,3 +417,16 @@ def test_layer_flag_families_are_told_through_their_layers_and_the_host_keeps_it
     assert flagged() == [2]
     state.restore(model)
     assert flagged() == [2] and model.layers_to_capture == [2]
+
+
+def test_a_hook_that_cannot_load_leaves_capture_off_and_the_server_importing(tmp_path):
+    """A hook raising in a post-import hook would fail SGLang's own import of the model module."""
+    code = (f"import sys; sys.path.insert(0, {SHIMS!r})\n"
+            "from hs_capture.server import bootstrap\nassert bootstrap.run()\n"
+            "sys.modules['hs_capture.server.instrumentor'] = None  # as a broken install would: ImportError\n"
+            "import sglang.srt.models.deepseek_v2 as m\nprint('OK', m.DeepseekV2Model.__name__)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHONPATH"))}
+    env["HSCAP_DIR"] = str(tmp_path / "d")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK DeepseekV2Model" in out.stdout, out.stderr[-2000:]
+    assert "[HS_DUMP] ERROR: capture is OFF in this process: the hook cannot load: ModuleNotFoundError" in out.stderr

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from hs_capture.dump import hst as fmt
-from hs_capture.dump.paths import TEMP_MARK
-from hs_capture.offline.reader import open_runs, tensor_files
+from hs_capture.dump.paths import TEMP_MARK, rank_meta_path
+from hs_capture.offline.reader import open_runs
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
 from tests.sglang_cpu.stitch import stitch
@@ -66,7 +66,7 @@ def test_every_layer_and_final_state_match_transformers(captured, tiny_model):
 
 def test_long_prompts_were_chunked_and_batches_held_several_requests(captured):
     (run,) = open_runs(captured["dump"])
-    lines = [x for x in run.index("dp0-tp0-pp0") if "files" in x]
+    lines = [x.to_json() for x in run.index("dp0-tp0-pp0") if x.written]
     assert all(x["num_tokens"] <= CHUNK for x in lines)
     assert any(s["prefix"] > 0 for x in lines for s in x["seqs"])  # a later chunk
     assert any(len(x["seqs"]) > 1 for x in lines)  # a batch of several requests
@@ -75,7 +75,7 @@ def test_long_prompts_were_chunked_and_batches_held_several_requests(captured):
 
 def test_run_metadata_records_the_contract(captured, tiny_model):
     (run,) = open_runs(captured["dump"])
-    meta = run.ranks["dp0-tp0-pp0"]
+    meta = json.load(open(rank_meta_path(run.path, "dp0-tp0-pp0")))  # the file as written
     assert meta["status"] == "closed"
     assert meta["layers"] == LAYERS and meta["num_layers"] == NUM_LAYERS and meta["hidden_size"] == 256
     assert meta["final_state"] == "post_norm" and "entering" in meta["layer_convention"]
@@ -89,7 +89,7 @@ def test_run_metadata_records_the_contract(captured, tiny_model):
 
 def test_files_are_self_describing_and_named_by_rank_and_layer(captured):
     (run,) = open_runs(captured["dump"])
-    files = list(tensor_files(run.path))
+    files = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(run.path, "data")) for n in names]
     leftovers = [n for _, _, names in os.walk(run.path) for n in names if TEMP_MARK in n]
     assert files and not leftovers
     parts = {os.path.basename(f).split(".")[2] for f in files}
@@ -101,8 +101,8 @@ def test_files_are_self_describing_and_named_by_rank_and_layer(captured):
     assert e.codec == "bytegroup" and e.dtype == "float32" and e.shape[1] == 256
     assert header.metadata["rank"] == "dp0-tp0-pp0" and header.metadata["run_id"] == os.path.basename(run.path)
     for line in run.index("dp0-tp0-pp0"):  # every index line points at files that exist
-        for part in line.get("files", {}).values():
-            assert os.path.getsize(os.path.join(run.path, part["path"])) == part["bytes"]
+        for part in (line.files or {}).values():
+            assert os.path.getsize(os.path.join(run.path, part.path)) == part.bytes
 
 
 def test_without_hscap_dir_the_server_is_untouched(tiny_model, tmp_path):
@@ -162,7 +162,7 @@ def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
         for rid, ids in reqs.items():  # one at a time: many small steps pile up in the queue
             srv.generate(rid, ids)
         (run,) = open_runs(dump)
-        queued = len(reqs) - len({s["rid"] for x in run.index("dp0-tp0-pp0") for s in x.get("seqs", [])} & set(reqs))
+        queued = len(reqs) - len({r for x in run.index("dp0-tp0-pp0") for r in x.rids()} & set(reqs))
         srv.proc.send_signal(15)
         rc = srv.wait_exit(120)
     finally:

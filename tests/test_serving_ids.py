@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from hs_capture.dump.layer_ids import family_of, served_ids
+from hs_capture.dump.schema import RankMeta
 from tests.sglang_cpu.harness import REPO, SHIMS
 from tests.sglang_cpu.matrix import release_pythons
 from tests.test_versions import RELEASES
@@ -70,9 +71,12 @@ def test_rules_by_release_and_what_merge_says_where_they_differ():
 
 
 def test_the_family_comes_from_the_run_metadata_or_older_dumps_architectures():
-    assert family_of({"family": "qwen3_moe", "architectures": ["LlamaForCausalLM"]}) == "qwen3_moe"
-    assert family_of({"architectures": ["DeepseekV3ForCausalLM"],
-                      "served_architectures": ["KimiK25ForConditionalGeneration"]}) == "deepseek"
-    assert family_of({"architectures": ["Qwen3MoeForCausalLM"]}) == "qwen3_moe"
-    assert family_of({"architectures": ["Qwen3ForCausalLM"]}) == "qwen3"
-    assert family_of({"architectures": []}) is None
+    def meta(**kw):
+        return RankMeta(layers=[2], hidden_size=8, **kw)
+
+    assert family_of(meta(family="qwen3_moe", architectures=["LlamaForCausalLM"])) == "qwen3_moe"
+    assert family_of(meta(architectures=["DeepseekV3ForCausalLM"],
+                          served_architectures=["KimiK25ForConditionalGeneration"])) == "deepseek"
+    assert family_of(meta(architectures=["Qwen3MoeForCausalLM"])) == "qwen3_moe"
+    assert family_of(meta(architectures=["Qwen3ForCausalLM"])) == "qwen3"
+    assert family_of(meta()) is None

@@ -15,6 +15,7 @@ from hs_capture.dump.paths import RankId
 from hs_capture.offline.reader import open_runs
 from hs_capture.server.staging import Stager, may_be_refilled
 from hs_capture.server.writer import ShardWriter
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 from tests.sglang_cpu.stitch import stitch
 
 H = 32
@@ -95,7 +96,7 @@ def test_a_state_in_a_larger_buffer_is_owned_and_a_fresh_one_is_not_copied_twice
 
 def test_the_writer_stores_the_submitted_step_when_its_input_buffers_are_refilled(tmp_path):
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1], fsync=False)
-    w = ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1], "hidden_size": H}, copier=DeferredCopier())
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1], hidden_size=H), copier=DeferredCopier())
     w.start()
     reg = InputRegistry()
     want = {}
@@ -104,7 +105,7 @@ def test_the_writer_stores_the_submitted_step_when_its_input_buffers_are_refille
         ids, pos = reg.load_batch(tokens, start=0)
         final, aux = torch.randn(n, H), torch.randn(n, H)
         want[rid] = (tokens, final, aux)
-        meta = {"mode": "EXTEND", "num_tokens": n, "seqs": [{"rid": rid, "len": n, "prefix": 0, "offset": 0}]}
+        meta = step_line("EXTEND", n, n, "float32", [SeqEntry(rid, n, 0, 0)])
         w.submit(meta, {"final": final, "aux": aux, "tokens": ids, "positions": pos}, aux_layers=[1])
     reg.load_batch(torch.full((200,), 7), start=4000)  # a later batch refills before the writer copies
     assert w.close()

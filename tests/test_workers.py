@@ -15,6 +15,7 @@ from hs_capture.cli import main
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import RankId
 from hs_capture.server.writer import ShardWriter
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 
 H, LAYERS, STEP, STEPS = 32, [1, 3], 64, 12
 
@@ -24,7 +25,7 @@ def chained(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("chained"))
     g, rng = torch.Generator().manual_seed(0), random.Random(0)
     cfg = CaptureConfig(dump_dir=root, run_id="run-chained", layers=LAYERS, writer_threads=2, fsync=False)
-    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H, "num_layers": 4, "prenorm": False})
+    w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=H, num_layers=4))
     w.start()
     rid, left, pos = 0, rng.randrange(8, STEP), 0
     for _ in range(STEPS):
@@ -39,7 +40,7 @@ def chained(tmp_path_factory):
                    "final": torch.randn(STEP, H, generator=g).to(torch.bfloat16),
                    "tokens": torch.randint(0, 1000, (STEP,), generator=g),
                    "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
-        w.submit({"mode": "EXTEND", "num_tokens": STEP, "seqs": seqs}, tensors, aux_layers=LAYERS)
+        w.submit(step_line("EXTEND", STEP, STEP, "bfloat16", [SeqEntry(**s) for s in seqs]), tensors, aux_layers=LAYERS)
     assert w.close()
     return root
 

@@ -16,6 +16,7 @@ from hs_capture.server import writer as writer_mod
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
 from hs_capture.offline.reader import open_runs
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 from tests.sglang_cpu.stitch import stitch
 
 H = 64
@@ -23,7 +24,7 @@ H = 64
 
 def make_writer(tmp_path, **kw):
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, **kw)
-    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H})
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H))
     w.start()
     return w
 
@@ -33,8 +34,7 @@ def step(rid, n, start=0, rows=None):
     pos = torch.arange(start, start + rows)
     tensors = {"final": torch.randn(rows, H), "aux": torch.randn(rows, 2 * H),
                "tokens": torch.randint(0, 1000, (rows,)), "positions": pos}
-    meta = {"mode": "EXTEND", "num_tokens": n, "seqs": [{"rid": rid, "len": n, "prefix": start, "offset": 0}]}
-    return meta, tensors
+    return step_line("EXTEND", n, rows, "float32", [SeqEntry(rid, n, start, 0)]), tensors
 
 
 def index_lines(w):
@@ -310,7 +310,7 @@ def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path,
     monkeypatch.setattr(config_mod.os, "sysconf", lambda name: memory[name] if name in memory else real_sysconf(name))
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-auto", layers=[1, 2], fsync=False)
     sizes = [8192 * 3 * 7168 * 2, 8192 * 7168 * 2, 8192 * 8, 8192 * 8]  # one H200 step: 470 MB
-    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H}, step_sizes=sizes)
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), step_sizes=sizes)
     w.start()
     started = len(w._threads)
     assert w.close()
@@ -323,7 +323,7 @@ def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path,
     # settings given are kept, not resolved again
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-set", layers=[1, 2], fsync=False, writer_threads=3,
                         max_inflight_bytes=123 << 20)
-    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), {"layers": [1, 2], "hidden_size": H}, step_sizes=sizes)
+    w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), step_sizes=sizes)
     w.start()
     started = len(w._threads)
     assert w.close()

@@ -35,6 +35,7 @@ from hs_capture.dump.paths import RankId  # noqa: E402
 from hs_capture.offline.reader import open_runs  # noqa: E402
 from hs_capture.server.staging import step_buffer_bytes  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 
 T, H, K = 8192, 7168, 3
 STEP_SIZES = [T * K * H * 2, T * H * 2, T * 8, T * 8]  # what capture.setup_model computes at model init
@@ -52,7 +53,7 @@ def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 
                 inflight: int = 4 << 30) -> ShardWriter:
     cfg = CaptureConfig(dump_dir=root, run_id="run-gpu", layers=[2, 30, 58], codec=codec, level=level,
                         writer_threads=threads, max_inflight_bytes=inflight, fsync=False)
-    w = ShardWriter(cfg, RankId(), {"layers": [2, 30, 58], "hidden_size": H}, expected_rows=T)
+    w = ShardWriter(cfg, RankId(), RankMeta(layers=[2, 30, 58], hidden_size=H), expected_rows=T)
     w.start()
     prewarm_and_wait(w, inflight, 30)
     return w
@@ -86,7 +87,7 @@ def step_tensors(gen):
 
 
 def meta(i):
-    return {"mode": "EXTEND", "num_tokens": T, "seqs": [{"rid": f"r{i}", "len": T, "prefix": 0, "offset": 0}]}
+    return step_line("EXTEND", T, T, "bfloat16", [SeqEntry(f"r{i}", T, 0, 0)])
 
 
 def correctness(root: str, steps: int) -> dict:
@@ -108,8 +109,8 @@ def correctness(root: str, steps: int) -> dict:
     (run,) = open_runs(root)
     bad = 0
     for line in run.index("dp0-tp0-pp0"):
-        i = int(line["seqs"][0]["rid"][1:])
-        parts = {p: run.read_part(line, p) for p in line["files"]}
+        i = int(line.seqs[0].rid[1:])
+        parts = {p: run.read_part(line, p) for p in line.files}
         exp = expected[i]
         for j, layer in enumerate([2, 30, 58]):
             got = torch.from_numpy(parts[f"L{layer:02d}"]["hidden"].copy()).to(torch.bfloat16)

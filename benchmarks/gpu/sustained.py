@@ -40,6 +40,7 @@ from capture import H, K, STEP_SIZES, T, prewarm_and_wait, write_results  # noqa
 from hs_capture.server import config  # noqa: E402
 from hs_capture.dump.paths import RankId, index_path  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
+from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 
 LAYERS, MATMULS = [2, 30, 58], 112
 assert K == len(LAYERS)
@@ -131,8 +132,8 @@ def phase(forward, seconds: float, writer=None) -> List[float]:
         t0 = time.perf_counter()
         out = forward()
         if writer is not None:
-            writer.submit({"mode": "EXTEND", "num_tokens": T,
-                           "seqs": [{"rid": f"r{i}", "len": T, "prefix": 0, "offset": 0}]}, out, aux_layers=LAYERS)
+            writer.submit(step_line("EXTEND", T, T, "bfloat16", [SeqEntry(f"r{i}", T, 0, 0)]), out,
+                          aux_layers=LAYERS)
         torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t0)
         i += 1
@@ -151,7 +152,7 @@ def run_target(target: str, forward, seconds: float, off_seconds: float, settle_
     os.makedirs(cfg.run_dir, exist_ok=True)
     probe_GBps = disk_rate(cfg.run_dir, config.default_writer_threads(), 80 << 20, probe_bytes)
     off1 = phase(forward, off_seconds)
-    w = ShardWriter(cfg, RankId(), {"layers": LAYERS, "hidden_size": H}, expected_rows=T, step_sizes=STEP_SIZES)
+    w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=H), expected_rows=T, step_sizes=STEP_SIZES)
     cfg = w.cfg  # the auto settings (threads, budget) as the writer resolved them
     w.start()
     prewarm_and_wait(w, cfg.max_inflight_bytes, 60)  # what the hook does at model load

@@ -22,11 +22,11 @@ def ls(dump_dir: str, as_json: bool) -> None:
             for tag, meta in run.ranks.items():
                 lines = list(run.index(tag))
                 rows.append({
-                    "run": os.path.basename(run.path), "rank": tag, "status": meta.get("status"),
-                    "layers": meta.get("layers"), "steps": sum(1 for x in lines if "files" in x),
-                    "dropped": sum(1 for x in lines if "dropped" in x),
-                    "tokens": sum(x.get("num_tokens", 0) for x in lines if "files" in x),
-                    "model": meta.get("model_path"),
+                    "run": os.path.basename(run.path), "rank": tag, "status": meta.status,
+                    "layers": meta.layers, "steps": sum(1 for x in lines if x.written),
+                    "dropped": sum(1 for x in lines if x.dropped is not None),
+                    "tokens": sum(x.num_tokens for x in lines if x.written),
+                    "model": meta.model_path,
                 })
     except (OSError, ValueError, KeyError, DumpError) as e:
         raise click.ClickException(f"{dump_dir}: cannot read the dump: {e}")

@@ -1,4 +1,4 @@
-"""The .hst tensor file: the one module the server side and the offline tools share.
+"""The .hst tensor file: one captured part of one step (part of the dump contract).
 
 Layout (modelled on safetensors, FORMAT.md has the full rules):
 
@@ -16,10 +16,12 @@ Values are not checked (NaN/Inf allowed); that is verify's job.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, Iterable, List, Mapping, Sequence
+from typing import BinaryIO, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 from hs_capture.dump import codec as _codec
 from hs_capture.dump.codec import CODECS, CodecError, FormatError, SizeMismatch  # noqa: F401 (re-exported)
@@ -93,14 +95,6 @@ class Header:
     payload_start: int
 
 
-def encode_payload(raw, codec: str, level: int, itemsize: int = 1, dtype: str = "", row_bytes: int = 0):
-    return _codec.encode(raw, codec, level, itemsize, dtype, row_bytes)
-
-
-def decode_payload(data: bytes, codec: str, nbytes: int, itemsize: int = 1) -> bytes:
-    return _codec.decode(data, codec, nbytes, itemsize)
-
-
 # ---------------------------------------------------------------- writing
 @dataclass(frozen=True)
 class RawTensor:
@@ -139,7 +133,7 @@ def encode_file(
                 import numpy as np
 
                 raw = memoryview(np.ascontiguousarray(raw)).cast("B")
-            payload = encode_payload(raw, used, level, ITEMSIZE[t.dtype], t.dtype)
+            payload = _codec.encode(raw, used, level, ITEMSIZE[t.dtype], t.dtype)
             chunks = payload if isinstance(payload, list) else [payload]
         size = sum(len(c) if isinstance(c, bytes) else memoryview(c).nbytes for c in chunks)
         entries[t.name] = {
@@ -196,6 +190,21 @@ def _checked_nbytes(name: str, dtype: str, shape: Sequence[int]) -> int:
 
 
 # ---------------------------------------------------------------- reading
+@contextmanager
+def opened(path: str) -> Iterator[Tuple[BinaryIO, "Header"]]:
+    """A .hst file open for reading with its header read and checked: the one way a file is
+    opened (OSError and FormatError come out as they are)."""
+    with open(path, "rb") as f:
+        yield f, read_header(f, os.fstat(f.fileno()).st_size)
+
+
+def read_arrays(path: str) -> Dict[str, "object"]:
+    """Every tensor of a file as a numpy array, checked against its crc32."""
+    with opened(path) as (f, header):
+        return {name: to_numpy(read_tensor_bytes(f, header, name), e.dtype, e.shape)
+                for name, e in header.tensors.items()}
+
+
 def read_header(f: BinaryIO, file_size: int) -> Header:
     """Validate and return the header of an open .hst file, rules in a fixed order."""
     if file_size < _PREFIX:

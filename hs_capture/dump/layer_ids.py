@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from hs_capture.dump.schema import RankMeta
 
 Ids = List[int]
 
@@ -99,11 +101,11 @@ def ids_for(layers: Sequence[int], rule: Rule) -> Optional[Ids]:
     return None
 
 
-def family_of(meta: Mapping[str, object]) -> Optional[str]:
+def family_of(meta: RankMeta) -> Optional[str]:
     """The model family a run's metadata names (older dumps: from its architectures)."""
-    if meta.get("family"):
-        return str(meta["family"])
-    for arch in list(meta.get("served_architectures") or []) + list(meta.get("architectures") or []):
+    if meta.family:
+        return meta.family
+    for arch in list(meta.served_architectures) + list(meta.architectures):
         for prefix, family in _ARCH_FAMILY:
             if str(arch).startswith(prefix):
                 return family

@@ -19,6 +19,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from typing import List, Optional, Union
 
 TENSOR_SUFFIX = ".hst"
 # What `hscap merge` writes beside the samples (merge writes them, verify and the dataset read them).
@@ -29,8 +30,13 @@ STEPS_PER_DIR = 1000
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
+RANKS, INDEX, DATA = "ranks", "index", "data"  # a run dir's subdirectories
+_TAG = re.compile(r"dp(\d+)-tp(\d+)-pp(\d+)")
+
+
 @dataclass(frozen=True)
 class RankId:
+    """A writing rank's place: its DP group, TP and PP ranks; named `dp<d>-tp<t>-pp<p>`."""
     dp: int = 0
     tp: int = 0
     pp: int = 0
@@ -38,6 +44,12 @@ class RankId:
     @property
     def tag(self) -> str:
         return f"dp{self.dp}-tp{self.tp}-pp{self.pp}"
+
+    @classmethod
+    def parse(cls, tag: str) -> Optional["RankId"]:
+        """The rank a tag names, or None when it names none."""
+        m = _TAG.fullmatch(tag)
+        return cls(*(int(x) for x in m.groups())) if m else None
 
 
 def safe_component(text: str, limit: int = 64) -> str:
@@ -65,32 +77,61 @@ def step_parts(layers, prenorm: bool) -> list:
     return [part_name(k) for k in layers] + [FINAL] + ([PRENORM] if prenorm else [])
 
 
-def part_layer(part: str) -> "int | None":
-    """The layer a part name holds, or None for final/prenorm."""
-    return int(part[1:]) if part.startswith("L") and part[1:].isdigit() else None
+def is_run_dir(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, RANKS))
 
 
 def holds_dump(path: str) -> bool:
-    """Whether `path` is a run dir or a dump dir holding one (a run dir has ranks/)."""
+    """Whether `path` is a run dir or a dump dir holding one."""
     try:
-        return os.path.isdir(os.path.join(path, "ranks")) or any(
-            os.path.isdir(os.path.join(path, d, "ranks")) for d in os.listdir(path))
+        return is_run_dir(path) or any(is_run_dir(os.path.join(path, d)) for d in os.listdir(path))
     except OSError:
         return False
 
 
-def rank_meta_path(run_dir: str, rank: RankId) -> str:
-    return os.path.join(run_dir, "ranks", rank.tag + ".json")
+def run_dirs(dump_dir: str) -> List[str]:
+    """The run dirs of a dump dir (or the run dir itself), in name (= start time) order."""
+    candidates = [dump_dir] + sorted(os.path.join(dump_dir, d) for d in os.listdir(dump_dir))
+    return [p for p in candidates if is_run_dir(p)]
 
 
-def index_path(run_dir: str, rank: RankId) -> str:
-    return os.path.join(run_dir, "index", rank.tag + ".jsonl")
+def rank_tags(run_dir: str) -> List[str]:
+    """The ranks that wrote run metadata in a run dir (hidden files are claims and reserves)."""
+    names = sorted(os.listdir(os.path.join(run_dir, RANKS)))
+    return [n[: -len(".json")] for n in names if n.endswith(".json") and not n.startswith(".")]
+
+
+def _tag(rank: Union[RankId, str]) -> str:
+    return rank.tag if isinstance(rank, RankId) else rank
+
+
+def rank_meta_path(run_dir: str, rank: Union[RankId, str]) -> str:
+    return os.path.join(run_dir, RANKS, _tag(rank) + ".json")
+
+
+def index_path(run_dir: str, rank: Union[RankId, str]) -> str:
+    return os.path.join(run_dir, INDEX, _tag(rank) + ".jsonl")
+
+
+def claim_path(run_dir: str, rank: RankId) -> str:
+    """Created exclusively by the one process that writes this rank of this run."""
+    return os.path.join(run_dir, RANKS, f".{rank.tag}.claimed")
+
+
+def reserve_path(run_dir: str, rank: RankId) -> str:
+    """Space held back so the run metadata can still record a full disk."""
+    return os.path.join(run_dir, RANKS, f".{rank.tag}.reserve")
+
+
+def rank_dirs(run_dir: str, rank: RankId) -> List[str]:
+    """The directories one rank writes in."""
+    return [os.path.join(run_dir, RANKS), os.path.join(run_dir, INDEX), os.path.join(run_dir, DATA, rank.tag)]
 
 
 def step_file(rank: RankId, step: int, part: str) -> str:
     """Path of one step's tensor file, relative to the run dir."""
     return os.path.join(
-        "data", rank.tag, f"{step // STEPS_PER_DIR:06d}", f"{rank.tag}.s{step:09d}.{part}{TENSOR_SUFFIX}"
+        DATA, rank.tag, f"{step // STEPS_PER_DIR:06d}", f"{rank.tag}.s{step:09d}.{part}{TENSOR_SUFFIX}"
     )
 
 

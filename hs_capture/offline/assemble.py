@@ -56,14 +56,12 @@ class Assembler:
         for part, rel in piece.files:
             path = os.path.join(run.path, rel)
             try:
-                with open(path, "rb") as f:
-                    st = os.fstat(f.fileno()).st_size
-                    header = fmt.read_header(f, st)
+                with fmt.opened(path) as (f, header):
                     parts[part] = {n: fmt.to_torch(fmt.read_tensor_bytes(f, header, n), e.dtype, e.shape)
                                    for n, e in header.tensors.items()}
+                    self.bytes_read += os.fstat(f.fileno()).st_size
             except (OSError, fmt.FormatError) as e:
                 raise DumpError(f"{rel}: {e}") from None
-            self.bytes_read += st
             size += sum(t.numel() * t.element_size() for t in parts[part].values())
         self._cache[key] = parts
         self._cached += size

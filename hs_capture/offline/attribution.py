@@ -11,9 +11,7 @@ With --dataset only the dataset's ids are merged, so none of this applies."""
 from __future__ import annotations
 
 import re
-from typing import Dict, List
-
-from hs_capture.offline.planning import Plan
+from typing import Dict, List, Mapping, Sequence
 
 _GENERATED = re.compile(r"[0-9a-f]{32}")  # uuid.uuid4().hex: SGLang's rid when the client sent none
 WARMUP = "SGLang's startup warmup request (the rank's first prefill, an id SGLang generated); not user data"
@@ -23,12 +21,13 @@ def generated_by_sglang(rid: str) -> bool:
     return bool(_GENERATED.fullmatch(rid))
 
 
-def warmups(p: Plan) -> Dict[str, str]:
-    """rid -> why, for the samples that are SGLang's startup warmup."""
-    return {rid: WARMUP for rid, pcs in p.samples.items()
+def warmups(samples: Mapping[str, Sequence]) -> Dict[str, str]:
+    """rid -> why, for the samples (rid -> their pieces, by position) that are SGLang's
+    startup warmup."""
+    return {rid: WARMUP for rid, pcs in samples.items()
             if generated_by_sglang(rid) and pcs[0].step == 0 and pcs[0].prefix == 0}
 
 
-def unattributed(p: Plan, left_out: Dict[str, str]) -> List[str]:
-    """The other samples whose id SGLang generated: no dataset id can name them."""
-    return sorted(rid for rid in p.samples if generated_by_sglang(rid) and rid not in left_out)
+def unattributed(samples: Mapping[str, Sequence]) -> List[str]:
+    """The samples whose id SGLang generated: no dataset id can name them."""
+    return sorted(rid for rid in samples if generated_by_sglang(rid))

@@ -19,7 +19,7 @@ from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hs_capture.offline import procs
-from hs_capture.offline.attribution import unattributed, warmups
+from hs_capture.offline.attribution import unattributed
 from hs_capture.dump.files import atomic_write
 from hs_capture.offline.formats import FORMATS, NAMES, native
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
@@ -129,9 +129,6 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     except BadLine as e:
         raise MergeError(str(e)) from None
     p = plan(dump_dirs, {k: len(v) for k, v in ds.ids.items()} if ds else None)
-    left_out = warmups(p) if ds is None else {}
-    for rid in left_out:  # not a user request: not a row either
-        del p.samples[rid]
     problem = training_format.problem(p.prenorm, p.layers)
     if problem:
         raise MergeError(problem)
@@ -142,9 +139,9 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)", shard=f"{i}/{n}")
     total.incomplete.update({rid: p.incomplete[rid] for _, rid in rows if rid in p.incomplete})
     total.recaptured.update({rid: len(p.extras[rid]) for _, rid in rows if rid in p.extras})
-    total.left_out.update(left_out)
+    total.left_out.update(p.left_out)  # not a user request: not a row either
     in_shard = {rid for _, rid in rows}
-    total.unattributed = [rid for rid in unattributed(p, left_out) if rid in in_shard] if ds is None else []
+    total.unattributed = [rid for rid in unattributed(p.samples) if rid in in_shard] if ds is None else []
     mine = _step_order(p, [(row, rid) for row, rid in rows if rid in p.samples])
     worker, tasks = _tasks(p, mine, packed, out_dir, shard, jobs)
     # each worker's cache holds at least the steps one sample crosses (a few full steps)
@@ -167,7 +164,7 @@ def _served(p: Plan, training_format) -> Optional[ServedIds]:
     if training_format.served_by is None or not p.runs:
         return None
     meta = p.runs[-1].meta
-    return served_ids(p.layers, training_format.served_by, family_of(meta), meta.get("sglang_version"))
+    return served_ids(p.layers, training_format.served_by, family_of(meta), meta.sglang_version)
 
 
 def _remove_temp_files(work_dir: str) -> None:

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
+from hs_capture.offline.attribution import warmups
 from hs_capture.offline.coverage import Span, whole_chain
 from hs_capture.dump.paths import step_parts
 from hs_capture.offline.reader import DumpError, Run, open_runs
@@ -38,13 +39,15 @@ class Plan:
     samples: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces, by position
     incomplete: Dict[str, str] = field(default_factory=dict)  # rid -> reason
     extras: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces captured again, not used
+    # without a dataset: rid -> why it is not a user's sample (SGLang's warmup; attribution.py)
+    left_out: Dict[str, str] = field(default_factory=dict)
 
 
 def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
     keys = set()
     for run in runs:
         for tag, meta in run.ranks.items():
-            keys.add((tuple(meta["layers"]), int(meta["hidden_size"]), bool(meta.get("prenorm", False))))
+            keys.add((tuple(meta.layers), meta.hidden_size, meta.prenorm))
     if len(keys) != 1:
         raise MixedRuns(f"the runs disagree on (layers, hidden size, pre-norm): {sorted(keys)}")
     layers, hidden, prenorm = keys.pop()
@@ -76,15 +79,14 @@ class Captured:
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
-                    if "files" not in line:
+                    if not line.written:
                         continue  # a dropped step holds nothing
-                    files = tuple(sorted((part, f["path"]) for part, f in line["files"].items()))
-                    for s in line["seqs"]:
-                        rid = s["rid"]
+                    files = tuple(sorted((part, f.path) for part, f in line.files.items()))
+                    for s in line.seqs:
+                        rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
                             continue
-                        piece = Piece(i, tag, int(line["step"]), files, int(s["offset"]), int(s["len"]),
-                                      int(s["prefix"]))
+                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix)
                         self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
                                                                    piece)
 
@@ -106,7 +108,8 @@ class Captured:
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
          exclude_prefix: str = "HEALTH_CHECK_", strict: bool = True) -> Plan:
     """Decide every sample's pieces. With `lengths` (from the dataset), only those ids count
-    and each must reach its full length; else every captured rid, as far as it was captured.
+    and each must reach its full length; else every captured rid, as far as it was captured,
+    but SGLang's startup warmup (left_out).
     Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
     cap = Captured(dump_dirs, strict, exclude_prefix)
     result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm)
@@ -118,4 +121,9 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
         result.samples[rid] = chain
         if extras:
             result.extras[rid] = extras
+    if lengths is None:  # every captured rid counts, but SGLang's warmup is no user's sample
+        result.left_out = warmups(result.samples)
+        for rid in result.left_out:
+            del result.samples[rid]
+            result.extras.pop(rid, None)
     return result

@@ -12,7 +12,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from hs_capture.dump import hst as fmt
-from hs_capture.dump.paths import TENSOR_SUFFIX
+from hs_capture.dump.paths import index_path, rank_meta_path, rank_tags, run_dirs
+from hs_capture.dump.schema import IndexLine, RankMeta, SchemaError
 
 
 TORN = "torn last line (a crash while appending): that step is not committed"
@@ -33,20 +34,16 @@ def first_mismatch(got: List[int], want: List[int]) -> Optional[int]:
 @dataclass
 class Run:
     path: str
-    ranks: Dict[str, dict]  # rank tag -> run metadata
+    ranks: Dict[str, RankMeta]  # rank tag -> its run metadata
 
     @property
-    def meta(self) -> dict:
+    def meta(self) -> RankMeta:
         return next(iter(self.ranks.values()))
 
-    @property
-    def layers(self) -> List[int]:
-        return list(self.meta["layers"])
-
     def index_path(self, rank: str) -> str:
-        return os.path.join(self.path, "index", rank + ".jsonl")
+        return index_path(self.path, rank)
 
-    def index_entries(self, rank: str) -> Iterator[Tuple[int, Optional[dict], Optional[str]]]:
+    def index_entries(self, rank: str) -> Iterator[Tuple[int, Optional[IndexLine], Optional[str]]]:
         """The one index reader: every line of one rank's index, in file order, as (line
         number, the line or None, why it is not a valid line or None). A torn last line (a crash
         while appending: its step is not committed) comes last, as (n, None, TORN)."""
@@ -60,13 +57,13 @@ class Run:
                         yield n, None, TORN
                     return
                 try:
-                    line = json.loads(raw)
-                    problem = line_problem(line)
+                    yield n, IndexLine.from_json(json.loads(raw)), None
+                except SchemaError as e:
+                    yield n, None, str(e)
                 except ValueError as e:
-                    line, problem = None, f"not JSON ({e})"
-                yield n, (None if problem else line), problem
+                    yield n, None, f"not JSON ({e})"
 
-    def index(self, rank: str, strict: bool = True) -> Iterator[dict]:
+    def index(self, rank: str, strict: bool = True) -> Iterator[IndexLine]:
         """The valid index lines of one rank, in file order (a torn last line is not committed).
         A line that is not valid raises DumpError, or is skipped when not strict (verify
         reports such lines itself)."""
@@ -79,80 +76,31 @@ class Run:
                 continue
             yield line
 
-    def read_part(self, line: dict, part: str) -> Dict[str, np.ndarray]:
+    def read_part(self, line: IndexLine, part: str) -> Dict[str, np.ndarray]:
         """All tensors of one step's part file ("final", "L03", ...) as numpy arrays."""
-        rel = line["files"][part]["path"]
-        path = os.path.join(self.path, rel)
+        rel = line.files[part].path
         try:
-            with open(path, "rb") as f:
-                header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
-                return {name: fmt.to_numpy(fmt.read_tensor_bytes(f, header, name), e.dtype, e.shape)
-                        for name, e in header.tensors.items()}
+            return fmt.read_arrays(os.path.join(self.path, rel))
         except (OSError, fmt.FormatError) as e:
             raise DumpError(f"{rel}: {e}") from None
 
 
-def _nonneg_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def line_problem(line) -> Optional[str]:
-    """Why an index line is malformed, or None. Paths must stay inside the run dir."""
-    if not isinstance(line, dict):
-        return "not a JSON object"
-    if not _nonneg_int(line.get("step")):
-        return "no valid step number"
-    if "files" not in line:
-        return None if "dropped" in line else "neither files nor dropped"
-    files, seqs = line.get("files"), line.get("seqs")
-    if not isinstance(files, dict) or not isinstance(seqs, list) or not _nonneg_int(line.get("num_tokens")):
-        return "files, seqs or num_tokens malformed"
-    for part, f in files.items():
-        rel = f.get("path") if isinstance(f, dict) else None
-        if not isinstance(rel, str) or os.path.isabs(rel) or os.path.normpath(rel).startswith(".."):
-            return f"part {part!r} has no path inside the run dir"
-    for s in seqs:
-        if not isinstance(s, dict) or not all(_nonneg_int(s.get(k)) for k in ("len", "prefix", "offset")) \
-                or not (s.get("rid") is None or isinstance(s.get("rid"), str)):
-            return "a seq entry is malformed"
-        if s["offset"] + s["len"] > line["num_tokens"]:
-            return "a seq runs past num_tokens"
-    return None
-
-
 def open_runs(dump_dir: str, errors: Optional[List[Tuple[str, str]]] = None) -> List[Run]:
     """Every run under a dump dir (or the run dir itself). An unreadable rank metadata file
-    raises DumpError, or with `errors` given is appended there as (path, message) and skipped."""
-    candidates = [dump_dir] + sorted(
-        os.path.join(dump_dir, d) for d in os.listdir(dump_dir) if os.path.isdir(os.path.join(dump_dir, d))
-    )
+    (or one of a newer schema) raises DumpError, or with `errors` given is appended there as
+    (path, message) and skipped."""
     runs = []
-    for path in candidates:
-        rdir = os.path.join(path, "ranks")
-        if not os.path.isdir(rdir):
-            continue
+    for path in run_dirs(dump_dir):
         ranks = {}
-        for name in sorted(os.listdir(rdir)):
-            if name.endswith(".json") and not name.startswith("."):
-                mpath = os.path.join(rdir, name)
-                try:
-                    with open(mpath, "rb") as f:
-                        meta = json.load(f)
-                    if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list):
-                        raise ValueError("not a run metadata object")
-                except (OSError, ValueError) as e:
-                    if errors is None:
-                        raise DumpError(f"{mpath}: unreadable run metadata ({e})") from None
-                    errors.append((mpath, f"unreadable run metadata ({e})"))
-                    continue
-                ranks[name[:-5]] = meta
+        for tag in rank_tags(path):
+            mpath = rank_meta_path(path, tag)
+            try:
+                with open(mpath, "rb") as f:
+                    ranks[tag] = RankMeta.from_json(json.load(f))
+            except (OSError, ValueError) as e:  # SchemaError is a ValueError
+                if errors is None:
+                    raise DumpError(f"{mpath}: unreadable run metadata ({e})") from None
+                errors.append((mpath, f"unreadable run metadata ({e})"))
         if ranks:
             runs.append(Run(path, ranks))
     return runs
-
-
-def tensor_files(run_path: str) -> Iterator[str]:
-    for root, _, names in os.walk(os.path.join(run_path, "data")):
-        for name in names:
-            if name.endswith(TENSOR_SUFFIX):
-                yield os.path.join(root, name)

@@ -10,6 +10,7 @@ whether SGLang was imported before or after this runs.
 from __future__ import annotations
 
 import os
+import sys
 
 from hs_capture.server import config
 from hs_capture.dump.paths import new_run_id
@@ -32,8 +33,21 @@ def run() -> bool:
     # Fail fast in the launching process, before any model loads.
     wrapt.register_post_import_hook("hs_capture.server.bootstrap:preflight", PREFLIGHT_MODULE)
     for target in TARGETS:
-        wrapt.register_post_import_hook("hs_capture.server.instrumentor:on_import", target.module)
+        wrapt.register_post_import_hook(on_target_import, target.module)
     return True
+
+
+def on_target_import(module: object) -> None:
+    """A target module was imported: patch it. A hook that raises fails the host's import, so
+    a hook that cannot even load (a broken install) says so and leaves capture off; only the
+    instrumentor's deliberate refusal (an unsupported sglang) stops the server."""
+    try:
+        from hs_capture.server.instrumentor import on_import
+    except Exception as e:
+        sys.stderr.write(f"[HS_DUMP] ERROR: capture is OFF in this process: the hook cannot load: "
+                         f"{type(e).__name__}: {e}\n")
+        return
+    on_import(module)
 
 
 def preflight(module: object = None) -> None:

@@ -29,6 +29,7 @@ from hs_capture.server.modes import ServerModes, read_modes
 from hs_capture.dump.layer_ids import served_ids
 from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
+from hs_capture.dump.schema import RankMeta
 from hs_capture.server.step import take_step
 from hs_capture.server.writer import ShardWriter
 
@@ -36,7 +37,6 @@ log = get_logger()
 
 # Real prefill only: not decode, idle, verify or draft passes (their tokens are not the prompt's).
 CAPTURED_MODES = frozenset({"EXTEND", "MIXED"})
-LAYER_CONVENTION = "entering: index i = residual stream entering decoder layer i = transformers hidden_states[i]"
 _ERROR_LOG_EVERY = 100
 _writers: "weakref.WeakSet[ShardWriter]" = weakref.WeakSet()
 
@@ -148,12 +148,12 @@ class ModelCapture:
             pre, self._prenorm = self._prenorm, None
             if pre is None:
                 raise ValueError("the final norm's input was not seen in this forward")
-        meta, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
-        self.writer.submit(meta, tensors, aux_layers)
+        line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
+        self.writer.submit(line, tensors, aux_layers)
         self.steps += 1
         if self.steps == 1:
             log.info("rank %s: first prefill captured (%d tokens, %d sequences, %s)",
-                     self.writer.rank.tag, meta["num_tokens"], len(meta["seqs"]), meta["dtype"])
+                     self.writer.rank.tag, line.num_tokens, len(line.seqs), line.dtype)
 
     def _error(self, what: str, e: BaseException) -> None:
         self.errors += 1
@@ -207,8 +207,8 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     if par.writes:
         config_mod.check_dump_dir(cfg.run_dir)
         flags = relevant_flags(args)
-        if not cfg.writer_threads:
-            cfg = replace(cfg, writer_threads=config_mod.default_writer_threads(_writers_on_host(par, flags)))
+        writers = config_mod.writers_on_host(par.dp_size, bool(flags.get("enable_dp_attention")), flags.get("nnodes") or 1)
+        cfg = replace(cfg, writer_threads=config_mod.writer_threads(cfg, writers))
         meta = _run_meta(cfg, hf_config, layers, flags, par, modes, target)
         rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)),
@@ -241,13 +241,6 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     return state
 
 
-def _writers_on_host(par: Any, flags: Dict[str, Any]) -> int:
-    """Writing ranks sharing this host's cores: one per DP group, spread over the nodes."""
-    writers = par.dp_size if flags.get("enable_dp_attention") else 1
-    nodes = max(1, int(flags.get("nnodes") or 1))
-    return max(1, -(-writers // nodes))
-
-
 def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
     """Host bytes of one full step: packed aux, final, input_ids, positions."""
     if rows <= 0:
@@ -258,37 +251,37 @@ def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
 
 
 def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict[str, Any], par: Any,
-              modes: ServerModes, target: Optional[Target]) -> Dict[str, Any]:
-    return {
-        "run_id": cfg.run_id,
-        "hs_capture_version": __version__,
-        "sglang_version": sglang_version(),
-        "torch_version": torch.__version__,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "model_path": flags.get("model_path"),
-        "architectures": list(getattr(hf_config, "architectures", None) or []),
+              modes: ServerModes, target: Optional[Target]) -> RankMeta:
+    return RankMeta(
+        run_id=cfg.run_id,
+        layers=layers,
+        hidden_size=int(hf_config.hidden_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        prenorm=cfg.prenorm,
+        model_path=flags.get("model_path"),
+        family=target.family if target is not None else None,
+        architectures=list(getattr(hf_config, "architectures", None) or []),
         # a wrapper (Kimi-K2.5) builds the captured CausalLM from its text_config, whose
         # architectures name only the inner class: record what the checkpoint says too
-        "served_architectures": checkpoint_architectures(flags.get("model_path")) or [],
-        "model_type": getattr(hf_config, "model_type", None),
-        "family": target.family if target is not None else None,  # how SGLang maps a drafter's layer ids
-        "num_layers": int(hf_config.num_hidden_layers),
-        "hidden_size": int(hf_config.hidden_size),
-        "dtype_requested": flags.get("dtype"),
-        "layers": layers,
-        "layer_convention": LAYER_CONVENTION,
-        "sglang_layers_to_capture": layers,
-        "final_state": "post_norm",
-        "prenorm": cfg.prenorm,
-        "parallel": par.as_dict(),
-        "server_flags": flags,
-        "server_modes": asdict(modes),
-        "codec": cfg.codec,
-        "level": cfg.level,
-        "writer_threads": cfg.writer_threads,
-        "on_full": cfg.on_full,
-    }
+        served_architectures=checkpoint_architectures(flags.get("model_path")) or [],
+        sglang_version=sglang_version(),
+        hs_capture_version=__version__,
+        parallel=par.as_dict(),
+        extra={
+            "torch_version": torch.__version__,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "model_type": getattr(hf_config, "model_type", None),
+            "dtype_requested": flags.get("dtype"),
+            "sglang_layers_to_capture": layers,  # SGLang's own numbering is ours (entering layer)
+            "server_flags": flags,
+            "server_modes": asdict(modes),
+            "codec": cfg.codec,
+            "level": cfg.level,
+            "writer_threads": cfg.writer_threads,
+            "on_full": cfg.on_full,
+        },
+    )
 
 
 # ----------------------------------------------------------------- shutdown

@@ -115,6 +115,19 @@ def usable_cores() -> int:
         return os.cpu_count() or 2
 
 
+def writers_on_host(dp_size: int = 1, dp_attention: bool = False, nnodes: int = 1) -> int:
+    """Writing ranks sharing one host's cores: one per DP group under DP attention (one in
+    all otherwise), spread over the nodes."""
+    writers = max(1, int(dp_size or 1)) if dp_attention else 1
+    return max(1, -(-writers // max(1, int(nnodes or 1))))
+
+
+def writer_threads(cfg: "CaptureConfig", writers: int = 1) -> int:
+    """The one decision of how many threads a writing rank gets: HSCAP_WRITER_THREADS, or
+    when it is auto (0), default_writer_threads for `writers` writing ranks on the host."""
+    return cfg.writer_threads or default_writer_threads(writers)
+
+
 def default_writer_threads(writers_on_host: int = 1) -> int:
     """The usable cores less 4 for the server's own processes (scheduler, tokenizer,
     detokenizer), shared by the writing ranks on this host; 2 to 12. One writer on a 16-core

@@ -137,7 +137,9 @@ def check_sitecustomize(path: Optional[Sequence[str]] = None) -> List[Finding]:
     return [Finding("sitecustomize", OK, "the hook comes first; no other sitecustomize to chain to")]
 
 
-def check_settings(env: Optional[Dict[str, str]] = None) -> List[Finding]:
+def check_settings(env: Optional[Dict[str, str]] = None, ns: Any = None) -> List[Finding]:
+    """The HSCAP_* settings, and what the server will use for the auto ones (`ns`: the parsed
+    server flags, which say how many ranks write on one host)."""
     env = dict(os.environ if env is None else env)
     if not config_mod.dump_dir_from_env(env):
         return [Finding("settings", BLOCK, "HSCAP_DIR is not set: the hook stays inert",
@@ -145,12 +147,18 @@ def check_settings(env: Optional[Dict[str, str]] = None) -> List[Finding]:
     env.setdefault("HSCAP_RUN_ID", "doctor")
     try:
         cfg = config_mod.load(env)
-        config_mod.check_dump_dir(cfg.dump_dir)
+        config_mod.check_dump_dir(cfg.dump_dir, create=False)  # a check creates nothing
+        # the layer set against a local checkpoint, as `hscap serve` and the server check it
+        config_mod.check_checkpoint_layers(env, getattr(ns, "model_path", None),
+                                           getattr(ns, "json_model_override_args", None))
     except config_mod.ConfigError as e:
         return [Finding("settings", BLOCK, str(e))]
+    writers = config_mod.writers_on_host(getattr(ns, "dp_size", 1), bool(getattr(ns, "enable_dp_attention", False)),
+                                         getattr(ns, "nnodes", 1))
+    threads = config_mod.writer_threads(cfg, writers)
     out = [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
-                                   f"codec {cfg.codec} level {cfg.level}; "
-                                   f"{cfg.writer_threads or f'{config_mod.default_writer_threads()} (auto)'} writer threads")]
+                                   f"codec {cfg.codec} level {cfg.level}; {threads}{'' if cfg.writer_threads else ' (auto)'} "
+                                   f"writer threads per writing rank, {writers} writing rank(s) on this host")]
     if not cfg.prenorm:  # said before serving, not first at merge time
         out.append(Finding("pre-norm state", INFO, "not captured: speculators trains on it, so merge --format "
                            "speculators would refuse this dump", "HSCAP_PRENORM=1 (hscap serve --prenorm)"))
@@ -218,17 +226,19 @@ def diagnose(server_argv: Sequence[str] = ()) -> List[Finding]:
     findings = check_sglang()
     if findings[0].status == BLOCK and "does not import" in findings[0].detail:
         return findings + check_sitecustomize() + check_settings()
-    findings += check_targets() + check_sitecustomize() + check_settings()
-    if server_argv:
-        try:
-            ns = parse_server_flags(server_argv)
-        except SystemExit:
-            return findings + [Finding("flags", WARN, "sglang's parser rejected the flags given after --")]
-        except Exception as e:
-            return findings + [Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
-        findings += check_flags(ns)
-        if getattr(ns, "model_path", None):
-            findings += check_model(ns.model_path)
+    findings += check_targets() + check_sitecustomize()
+    if not server_argv:
+        return findings + check_settings()
+    try:
+        ns = parse_server_flags(server_argv)
+    except SystemExit:
+        return findings + check_settings() + [Finding("flags", WARN, "sglang's parser rejected the flags given after --")]
+    except Exception as e:
+        return findings + check_settings() + [
+            Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
+    findings += check_settings(ns=ns) + check_flags(ns)
+    if getattr(ns, "model_path", None):
+        findings += check_model(ns.model_path)
     return findings
 
 

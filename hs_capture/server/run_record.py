@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from hs_capture.dump import files
 from hs_capture.server.config import CaptureConfig, ConfigError
-from hs_capture.dump.paths import RankId, index_path, rank_meta_path
+from hs_capture.dump.paths import RankId, claim_path, index_path, rank_dirs, rank_meta_path, reserve_path
+from hs_capture.dump.schema import IndexLine, RankMeta
 
 _RESERVE_BYTES = 256 << 10
 
@@ -24,18 +25,18 @@ class RunRecord:
 
     def open(self) -> None:
         """Make the rank's dirs, claim the rank, hold space in reserve. ConfigError: claimed."""
-        for sub in ("ranks", "index", os.path.join("data", self.rank.tag)):
-            os.makedirs(os.path.join(self.run_dir, sub), exist_ok=True)
+        for d in rank_dirs(self.run_dir, self.rank):
+            os.makedirs(d, exist_ok=True)
         # A second server given the same HSCAP_RUN_ID must not write over the first one's
         # files (O_EXCL: exactly one process wins).
-        claim = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.claimed")
+        claim = claim_path(self.run_dir, self.rank)
         try:
             os.close(os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         except FileExistsError:
             raise ConfigError(f"run {self.cfg.run_id!r} rank {self.rank.tag} already exists in {self.cfg.dump_dir}: "
                               "another server wrote (or writes) it; unset HSCAP_RUN_ID or choose a new one") from None
         # Space kept back so the run metadata can still record a full disk (freed at the stop).
-        self._reserve = os.path.join(self.run_dir, "ranks", f".{self.rank.tag}.reserve")
+        self._reserve = reserve_path(self.run_dir, self.rank)
         try:
             with open(self._reserve, "wb") as f:
                 f.write(bytes(_RESERVE_BYTES))
@@ -61,10 +62,10 @@ class RunRecord:
                     f"{self.cfg.min_free_bytes / 2**30:g}")
         return None
 
-    def append_index(self, line: Dict[str, Any]) -> None:
+    def append_index(self, line: IndexLine) -> None:
         """One write() of a whole line under O_APPEND: a crash leaves at most a torn last line.
         Callers serialise appends (one lock per rank)."""
-        data = (json.dumps(line, separators=(",", ":"), ensure_ascii=True) + "\n").encode()
+        data = (json.dumps(line.to_json(), separators=(",", ":"), ensure_ascii=True) + "\n").encode()
         fd = os.open(index_path(self.run_dir, self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)
@@ -73,6 +74,6 @@ class RunRecord:
         finally:
             os.close(fd)
 
-    def write_meta(self, body: Dict[str, Any]) -> None:
-        data = json.dumps(body, indent=1, sort_keys=True, default=str).encode()
+    def write_meta(self, meta: RankMeta) -> None:
+        data = json.dumps(meta.to_json(), indent=1, sort_keys=True, default=str).encode()
         files.atomic_write(rank_meta_path(self.run_dir, self.rank), [data], self.cfg.fsync)

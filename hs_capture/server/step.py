@@ -10,13 +10,15 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.dump.schema import IndexLine, SeqEntry, step_line
 from hs_capture.server.step_files import dtype_name
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
               hidden_size: int, prenorm: Optional[torch.Tensor] = None
-              ) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor], List[int]]:
-    """(index metadata, tensors, the layers of the packed "aux" tensor's column blocks).
+              ) -> Tuple[IndexLine, Dict[str, torch.Tensor], List[int]]:
+    """(the step's index line before the writer numbers it, tensors, the layers of the packed
+    "aux" tensor's column blocks).
     `current`: the layers SGLang captured in this forward (ours and the host's); `layers`: ours."""
     seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
     prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
@@ -37,10 +39,9 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
     for length in seq_lens:
         offsets.append(acc)
         acc += length
-    meta = {"mode": mode, "num_tokens": n, "rows": int(hidden.shape[0]), "dtype": dtype_name(hidden.dtype),
-            "seqs": [{"rid": r, "len": ln, "prefix": p, "offset": o}
-                     for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)]}
-    return meta, tensors, aux_layers
+    line = step_line(mode, n, int(hidden.shape[0]), dtype_name(hidden.dtype),
+                     [SeqEntry(r, ln, p, o) for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)])
+    return line, tensors, aux_layers
 
 
 def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], layers: List[int], h: int,

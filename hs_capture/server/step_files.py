@@ -5,7 +5,7 @@ then the directories synced. Nothing is indexed here: the writer commits the ste
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Dict, List, Mapping, Tuple
 
 import torch
 
@@ -13,6 +13,7 @@ from hs_capture.dump import files
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.files import fsync_dir, remove_quietly
 from hs_capture.dump.paths import FINAL, RankId, part_name, step_file
+from hs_capture.dump.schema import FileRef
 
 # The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
 # next batch while this step is still being copied: staging owns them first (staging.py).
@@ -43,10 +44,10 @@ def _raw(name: str, t: torch.Tensor) -> fmt.RawTensor:
 
 
 def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, str], tensors: Mapping[str, torch.Tensor],
-                     aux_layers: List[int], codec: str, level: int, fsync: bool) -> Tuple[Dict[str, Dict[str, Any]], int, int]:
+                     aux_layers: List[int], codec: str, level: int, fsync: bool) -> Tuple[Dict[str, FileRef], int, int]:
     """Every part's file, or none (a failure removes those already written). Returns the
-    index line's `files` ({part: {path, bytes}}), the raw bytes and the bytes on disk."""
-    written: Dict[str, Dict[str, Any]] = {}
+    index line's `files` ({part: FileRef}), the raw bytes and the bytes on disk."""
+    written: Dict[str, FileRef] = {}
     raw_total = file_total = 0
     dirs = set()
     for part, t in split_parts(tensors, aux_layers).items():
@@ -65,7 +66,7 @@ def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, st
         except BaseException:
             remove_step_files(run_dir, written)
             raise
-        written[part] = {"path": rel, "bytes": size}
+        written[part] = FileRef(rel, size)
         raw_total += sum(x.data.nbytes for x in raws)
         file_total += size
     if fsync:
@@ -74,8 +75,8 @@ def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, st
     return written, raw_total, file_total
 
 
-def remove_step_files(run_dir: str, written: Mapping[str, Mapping[str, Any]]) -> None:
-    remove_quietly(os.path.join(run_dir, f["path"]) for f in written.values())
+def remove_step_files(run_dir: str, written: Mapping[str, FileRef]) -> None:
+    remove_quietly(os.path.join(run_dir, f.path) for f in written.values())
 
 
 def _bytes_of(t: torch.Tensor):

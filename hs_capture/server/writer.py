@@ -23,8 +23,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from hs_capture.server.backlog import Backlog
-from hs_capture.server.config import CaptureConfig, default_writer_threads, inflight_budget
+from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
+from hs_capture.dump.schema import FileRef, IndexLine, RankMeta
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
@@ -36,18 +37,18 @@ log = get_logger()
 class ShardWriter:
     """One per writing rank. `submit` is the only call on the forward's critical path."""
 
-    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: Dict[str, Any], expected_rows: int = 0,
+    def __init__(self, cfg: CaptureConfig, rank: RankId, run_meta: RankMeta, expected_rows: int = 0,
                  step_sizes: Sequence[int] = (), copier: Optional[AsyncCopier] = None) -> None:
         """expected_rows: the most tokens one step can hold (chunked prefill size), for pinning ahead.
         step_sizes: the host bytes of one full step's tensors (sizes the default budget; pinned
         ahead by prewarm). copier: how device tensors reach the host (default: a CUDA side
         stream; see staging.py). The settings left at 0 (auto) are resolved here, into self.cfg."""
-        threads = cfg.writer_threads or default_writer_threads()
+        threads = writer_threads(cfg)
         self.cfg = cfg = replace(cfg, writer_threads=threads,
                                  max_inflight_bytes=cfg.max_inflight_bytes or inflight_budget(threads, sum(step_sizes)))
         self.rank = rank
         self.run_dir = cfg.run_dir
-        self.run_meta = dict(run_meta)
+        self.run_meta = replace(run_meta)  # a copy: the writer updates its state and counters
         self._step_sizes = list(step_sizes)
         self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
         self._backlog = Backlog(cfg.max_inflight_bytes)
@@ -71,7 +72,7 @@ class ShardWriter:
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._record.open()
-        self.run_meta.update(status="running", started=time.time())
+        self.run_meta.status, self.run_meta.started = "running", time.time()
         self._write_meta()
         for i in range(self.cfg.writer_threads):
             t = threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
@@ -89,7 +90,7 @@ class ShardWriter:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         done = not any(t.is_alive() for t in self._threads)
-        self.run_meta.update(status="closed" if done else "close_timed_out", closed=time.time())
+        self.run_meta.status, self.run_meta.closed = "closed" if done else "close_timed_out", time.time()
         self._record.free_reserve()
         try:
             self._write_meta()
@@ -99,9 +100,10 @@ class ShardWriter:
         return done
 
     # ------------------------------------------------------------- hot path
-    def submit(self, meta: Dict[str, Any], tensors: Dict[str, torch.Tensor],
+    def submit(self, line: IndexLine, tensors: Dict[str, torch.Tensor],
                aux_layers: Optional[List[int]] = None) -> bool:
-        """Stage one step and queue it. Blocks under back-pressure unless on_full=drop.
+        """Stage one step (what the forward knows of it: `line`) and queue it. Blocks under
+        back-pressure unless on_full=drop.
 
         `tensors["aux"]`, when present, is SGLang's packed [T, K*H] capture whose
         column blocks are `aux_layers` in order; it is split on the host, not the device.
@@ -112,7 +114,7 @@ class ShardWriter:
         self._next_step += 1
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if not self._backlog.admit(nbytes, block=self.cfg.on_full == "block"):
-            self._drop(step, meta)
+            self._drop(step, line)
             return False
         if not self._disk_bound_said and self._backlog.held_too_long(self._forward_waited_s()):
             self._say_disk_bound()
@@ -123,10 +125,10 @@ class ShardWriter:
             raise
         if staged is None:  # every pinned buffer in flight, and the policy is drop
             self._backlog.done(nbytes)
-            self._drop(step, meta)
+            self._drop(step, line)
             return False
         self._backlog.queued(staged.nbytes)
-        self._queue.put((step, meta, staged, aux_layers or []))
+        self._queue.put((step, line, staged, aux_layers or []))
         return True
 
     def _forward_waited_s(self) -> float:
@@ -141,7 +143,7 @@ class ShardWriter:
             raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
                                    self.stats["steps_written"])
             rates = self._backlog.rates(raw, disk, self._forward_waited_s())
-            self.run_meta["disk_bound"] = rates
+            self.run_meta.disk_bound = rates
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
         log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (policy block: nothing "
@@ -149,11 +151,11 @@ class ShardWriter:
                     "GB/s (%.2f GB/s to disk), %d of %d steps raw: %s", self.rank.tag, rates["forward_waited_s"],
                     rates["produced_gbps"], rates["written_gbps"], rates["to_disk_gbps"], n_raw, n, why)
 
-    def _drop(self, step: int, meta: Dict[str, Any]) -> None:
+    def _drop(self, step: int, line: IndexLine) -> None:
         self._count("steps_dropped")
-        self._append_index({**meta, "step": step, "dropped": "writer_full", "time": time.time()})
+        self._append_index(line.dropped_as(step, "writer_full", time.time()))
         log.warning("rank %s: writer full, dropped step %d (%d tokens); see the index",
-                    self.rank.tag, step, meta.get("num_tokens", 0))
+                    self.rank.tag, step, line.num_tokens)
 
     # ------------------------------------------------------------- workers
     def _work(self) -> None:
@@ -161,7 +163,7 @@ class ShardWriter:
             job = self._queue.get()
             if job is None:
                 return
-            step, meta, staged, aux_layers = job
+            step, line, staged, aux_layers = job
             behind = self._backlog.picked(staged.nbytes)
             try:
                 if self.stopped:
@@ -170,7 +172,7 @@ class ShardWriter:
                 if low:
                     self._stop(step, low)
                     continue
-                self._write_step(step, meta, staged, aux_layers, behind)
+                self._write_step(step, line, staged, aux_layers, behind)
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
                     self._stop(step, f"disk full: {e.strerror}")
@@ -197,7 +199,7 @@ class ShardWriter:
         log.error("ERROR: rank %s: capture STOPPED at step %d: %s. The server keeps serving; "
                   "prefills from now on are not captured (re-send them after freeing space)",
                   self.rank.tag, step, reason)
-        self.run_meta["capture_stopped"] = self.stopped
+        self.run_meta.capture_stopped = self.stopped
         self._record.free_reserve()
         try:
             self._write_meta()
@@ -217,7 +219,7 @@ class ShardWriter:
             return "raw"
         return self.cfg.codec
 
-    def _write_step(self, step: int, meta: Dict[str, Any], staged: Staged, aux_layers: List[int],
+    def _write_step(self, step: int, line: IndexLine, staged: Staged, aux_layers: List[int],
                     behind: bool = False) -> None:
         """The step's files, then its index line: the commit (a step not indexed was never written)."""
         staged.ready()
@@ -226,19 +228,19 @@ class ShardWriter:
         written, raw_total, file_total = write_step_files(self.run_dir, self.rank, step, header, staged.tensors,
                                                           aux_layers, codec, self.cfg.level, self.cfg.fsync)
         try:
-            self._append_index({**meta, "step": step, "files": written, "time": time.time()})
+            self._append_index(line.committed(step, written, time.time()))
         except BaseException:  # not indexed: not committed, so leave no files that look written
             remove_step_files(self.run_dir, written)
             raise
         with self._stats_lock:
             self.stats["steps_written"] += 1
             self.stats["steps_written_raw"] += codec != self.cfg.codec
-            self.stats["tokens_written"] += int(meta.get("num_tokens", 0))
+            self.stats["tokens_written"] += line.num_tokens
             self.stats["raw_bytes"] += raw_total
             self.stats["file_bytes"] += file_total
 
     # ------------------------------------------------------------- bookkeeping
-    def _append_index(self, line: Dict[str, Any]) -> None:
+    def _append_index(self, line: IndexLine) -> None:
         with self._index_lock:
             self._record.append_index(line)
 
@@ -249,13 +251,12 @@ class ShardWriter:
     def _write_meta(self) -> None:
         pool = self._stager.pool
         with self._stats_lock:
-            body = {**self.run_meta, "stats": {**self.stats, "pinned_bytes": pool.pinned_bytes,
-                                               "pinned_allocs_in_forward": pool.hot_allocs,
-                                               "forward_waited_s": round(self._forward_waited_s(), 3),
-                                               "peak_inflight_bytes": self._backlog.budget.peak,
-                                               "inflight_budget_bytes": self._backlog.budget.limit,
-                                               "writer_threads": self.cfg.writer_threads}}
-        if self.failure:
-            body["last_failure"] = self.failure
-        self._record.write_meta(body)
-
+            self.run_meta.stats = {**self.stats, "pinned_bytes": pool.pinned_bytes,
+                                   "pinned_allocs_in_forward": pool.hot_allocs,
+                                   "forward_waited_s": round(self._forward_waited_s(), 3),
+                                   "peak_inflight_bytes": self._backlog.budget.peak,
+                                   "inflight_budget_bytes": self._backlog.budget.limit,
+                                   "writer_threads": self.cfg.writer_threads}
+            self.run_meta.last_failure = self.failure
+            meta = replace(self.run_meta)
+        self._record.write_meta(meta)

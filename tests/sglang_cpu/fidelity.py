@@ -55,8 +55,8 @@ def run_fidelity(model_dir: str, workdir: str, num_layers: int, python: Optional
         srv.stop()
     log = srv.log()
     (run,) = open_runs(dump)
-    archs = run.meta.get("served_architectures") or run.meta.get("architectures", [])
-    result = Fidelity(run.meta.get("sglang_version", "?"), ",".join(archs),
+    archs = run.meta.served_architectures or run.meta.architectures
+    result = Fidelity(run.meta.sglang_version or "?", ",".join(archs),
                       layers, 0, log=log)
     samples = stitch(run)
     for rid, ids in reqs.items():

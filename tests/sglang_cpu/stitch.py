@@ -1,6 +1,6 @@
 """Every captured position of every request of one writing rank, in memory, with a mask of
-what was covered: the tests' view of a dump (small dumps only). It decides nothing about
-completeness: that is hs_capture.offline.coverage's one rule (what send, merge and verify use)."""
+what was covered: the tests' view of a dump (small dumps only). Whether a sample is whole is
+decided by the one rule send, merge and verify use (planning.Captured, coverage.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from hs_capture.dump.paths import FINAL, PRENORM, part_layer
+from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.offline.planning import Captured
 from hs_capture.offline.reader import DumpError, Run
 
 
@@ -22,32 +23,30 @@ class Sample:
     layers: Dict[int, np.ndarray]
     final: np.ndarray
     covered: np.ndarray = field(repr=False)  # bool per position
+    complete: bool = False  # whole by the one completeness rule
     prenorm: Optional[np.ndarray] = field(default=None, repr=False)  # the final norm's input, if captured
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.covered.all())
 
 
 def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
     """Reassemble every request of one writing rank; positions captured twice raise."""
     rank = rank or next(iter(run.ranks))
+    layer_of = {part_name(k): k for k in run.ranks[rank].layers}
     pieces: Dict[str, list] = {}
     for line in run.index(rank):
-        if "files" not in line:
+        if not line.written:
             continue
-        parts = {p: run.read_part(line, p) for p in line["files"]}
+        parts = {p: run.read_part(line, p) for p in line.files}
         final = parts[FINAL]
-        for seq in line["seqs"]:
-            a, n = seq["offset"], seq["len"]
-            rows = slice(a, a + n)
-            pieces.setdefault(seq["rid"], []).append((
+        for seq in line.seqs:
+            rows = slice(seq.offset, seq.offset + seq.len)
+            pieces.setdefault(seq.rid, []).append((
                 final["positions"][rows],
                 final["input_ids"][rows],
                 final["hidden"][rows],
-                {part_layer(p): parts[p]["hidden"][rows] for p in parts if part_layer(p) is not None},
+                {layer_of[p]: parts[p]["hidden"][rows] for p in parts if p in layer_of},
                 parts[PRENORM]["hidden"][rows] if PRENORM in parts else None,
             ))
+    judge = Captured([run.path], exclude_prefix="\0").judge
     out = {}
     for rid, chunks in pieces.items():
         length = int(max(int(c[0].max()) for c in chunks if len(c[0])) + 1)
@@ -67,5 +66,5 @@ def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
                 layers[k][pos] = v
             if pre is not None and pre_rows is not None:
                 pre[pos] = pre_rows
-        out[rid] = Sample(rid, ids, layers, final, covered, pre)
+        out[rid] = Sample(rid, ids, layers, final, covered, judge(rid)[0] is not None, pre)
     return out

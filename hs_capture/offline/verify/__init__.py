@@ -1,10 +1,12 @@
 """`hscap verify`: prove dumps and merged datasets complete, intact and sane.
 
-    report.py     findings and the summary table / JSON
-    values.py     NaN/Inf, zero, constant and identical-tensor checks
-    dump.py       dump dirs: metadata, index, files, bytes, placement, coverage
+    dump.py       dump dirs, in order: runs.py (runs, rank metadata), index.py (index lines,
+                  files on disk), steps.py (every file decoded, in worker processes),
+                  samples.py (which samples are whole)
     merged.py     merge output of every format
     reference.py  recompute samples with transformers and compare
+    values.py     NaN/Inf, zero, constant and identical-tensor checks
+    report.py     findings and the summary table / JSON; pool.py the step sample and workers
 
 Never imports sglang; torch and transformers only when a check needs them.
 """
