@@ -340,10 +340,15 @@ def test_hooks_apply_when_sglang_was_imported_first(tmp_path):
             "assert not is_wrapped(vars(m.DeepseekV2Model)['forward'])\n"
             "assert bootstrap.run()\n"
             "assert is_wrapped(vars(m.DeepseekV2Model)['forward'])\nprint('OK')\n")
+    out = _python_with_capture_on(code, tmp_path)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+def _python_with_capture_on(code: str, tmp_path):
+    """`python -c code` in a fresh process with HSCAP_DIR set and no hook on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHONPATH"))}
     env["HSCAP_DIR"] = str(tmp_path / "d")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_broken_bootstrap_never_breaks_the_host(tmp_path):
@@ -425,8 +430,6 @@ def test_a_hook_that_cannot_load_leaves_capture_off_and_the_server_importing(tmp
             "from hs_capture.server import bootstrap\nassert bootstrap.run()\n"
             "sys.modules['hs_capture.server.instrumentor'] = None  # as a broken install would: ImportError\n"
             "import sglang.srt.models.deepseek_v2 as m\nprint('OK', m.DeepseekV2Model.__name__)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHONPATH"))}
-    env["HSCAP_DIR"] = str(tmp_path / "d")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = _python_with_capture_on(code, tmp_path)
     assert out.returncode == 0 and "OK DeepseekV2Model" in out.stdout, out.stderr[-2000:]
     assert "[HS_DUMP] ERROR: capture is OFF in this process: the hook cannot load: ModuleNotFoundError" in out.stderr

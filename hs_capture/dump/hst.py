@@ -36,6 +36,14 @@ _PREFIX = len(MAGIC) + 8
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
+def dtype_name(dtype: object) -> str:
+    """The one spelling of a dtype, for a torch or numpy dtype: "torch.bfloat16" -> "bfloat16"."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in ITEMSIZE:
+        raise TensorInvalidInfo(f"dtype {dtype} is not one a .hst file stores ({', '.join(ITEMSIZE)})")
+    return name
+
+
 class HeaderTooSmall(FormatError):
     pass
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from hs_capture.server import config as config_mod
 from hs_capture.server.bootstrap import HOOK_DIR
-from hs_capture.server.package import _instruments
+from hs_capture.server.package import INSTRUMENTS
 from hs_capture.server.targets import COVERED, TARGETS, Target, checkpoint_architectures, for_architecture
 
 OK, INFO, WARN, BLOCK = "ok", "info", "warn", "block"
@@ -44,7 +44,7 @@ def check_sglang() -> List[Finding]:
         force = config_mod.forced()
         return [Finding("sglang", WARN if force else BLOCK, found,
                         "" if force else "use a supported sglang, or set HSCAP_FORCE=1 at your own risk")]
-    return [Finding("sglang", OK, f"sglang {sglang_version()} (supported: {_instruments[0]})")]
+    return [Finding("sglang", OK, f"sglang {sglang_version()} (supported: {INSTRUMENTS[0]})")]
 
 
 def target_problems(t: Target) -> List[str]:
@@ -178,7 +178,7 @@ def parse_server_flags(argv: Sequence[str]) -> Any:
 def check_flags(ns: Any) -> List[Finding]:
     """What the parsed server flags (parse_server_flags) do to capture."""
     from hs_capture.server.modes import read_modes
-    from hs_capture.server.sglang_compat import _arg, _on_cuda, prefill_off_flags_here
+    from hs_capture.server.sglang_compat import flag, on_cuda, prefill_off_flags_here
 
     out = []
     modes = read_modes(ns)
@@ -192,31 +192,31 @@ def check_flags(ns: Any) -> List[Finding]:
     out += [Finding(w.what, BLOCK, f"{w.why}: the hook refuses to start", w.fix) for w in wrong]
     if modes.prefill_graphs:
         pass  # blocked above
-    elif _on_cuda(ns) and not (_arg(ns, "disable_cuda_graph") or _arg(ns, "disable_prefill_cuda_graph")
-                                            or str(_arg(ns, "cuda_graph_backend_prefill")).lower() == "disabled"):
+    elif on_cuda(ns) and not (flag(ns, "disable_cuda_graph") or flag(ns, "disable_prefill_cuda_graph")
+                                            or str(flag(ns, "cuda_graph_backend_prefill")).lower() == "disabled"):
         out.append(Finding("prefill CUDA graphs", WARN, "not disabled: SGLang 0.5.15+ turns breakable prefill "
                            "graphs on for some models on Hopper (off for MLA), and the hook would then refuse to start",
                            f"add {off} (hscap serve does)"))
     else:
         out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
-    if not _arg(ns, "disable_radix_cache"):
+    if not flag(ns, "disable_radix_cache"):
         out.append(Finding("radix cache", WARN, "on: a prefix hit is never recomputed, so that sample's capture "
                            "starts past 0 and it is reported incomplete", "add --disable-radix-cache (hscap serve does)"))
     else:
         out.append(Finding("radix cache", OK, "off"))
-    pp = int(_arg(ns, "pp_size") or 1)
+    pp = int(flag(ns, "pp_size") or 1)
     if pp > 1:
         out.append(Finding("pipeline parallel", INFO, f"pp {pp}: only the last stage holds the captures and writes"))
-    if _arg(ns, "enable_dp_attention"):
-        out.append(Finding("dp attention", INFO, f"dp {_arg(ns, 'dp_size')}: one writer per DP group "
+    if flag(ns, "enable_dp_attention"):
+        out.append(Finding("dp attention", INFO, f"dp {flag(ns, 'dp_size')}: one writer per DP group "
                            "(its attention-TP rank 0); files named dp<d>-tp<t>-pp<p>"))
-    elif int(_arg(ns, "tp_size") or 1) > 1:
-        out.append(Finding("tensor parallel", INFO, f"tp {_arg(ns, 'tp_size')}: TP rank 0 writes; the others only "
+    elif int(flag(ns, "tp_size") or 1) > 1:
+        out.append(Finding("tensor parallel", INFO, f"tp {flag(ns, 'tp_size')}: TP rank 0 writes; the others only "
                            "compute (SGLang's capture is taken after the all-reduce)"))
-    if _arg(ns, "speculative_algorithm"):
-        out.append(Finding("speculative decoding", INFO, f"{_arg(ns, 'speculative_algorithm')}: SGLang's own "
+    if flag(ns, "speculative_algorithm"):
+        out.append(Finding("speculative decoding", INFO, f"{flag(ns, 'speculative_algorithm')}: SGLang's own "
                            "capture keeps exactly its layers; draft passes are not captured"))
-    if _arg(ns, "enable_mixed_chunk"):
+    if flag(ns, "enable_mixed_chunk"):
         out.append(Finding("mixed chunk", INFO, "MIXED batches also carry one decode token per running request; "
                            "send max_new_tokens=1 (hscap send does)"))
     return out

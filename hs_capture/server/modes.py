@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-from hs_capture.server.sglang_compat import _arg, decode_graph_state, overlap_scheduler, prefill_graph_state
+from hs_capture.server.sglang_compat import flag, decode_graph_state, overlap_scheduler, prefill_graph_state
 
 
 @dataclass(frozen=True)
@@ -56,4 +56,4 @@ def read_modes(args: Any) -> ServerModes:
     """The modes of a running server (its ServerArgs) or of parsed launch flags (doctor)."""
     return ServerModes(overlap=overlap_scheduler(args), decode_graphs=decode_graph_state(args),
                        prefill_graphs=prefill_graph_state(args),
-                       two_batch_overlap=bool(_arg(args, "enable_two_batch_overlap")))
+                       two_batch_overlap=bool(flag(args, "enable_two_batch_overlap")))

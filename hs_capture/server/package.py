@@ -1,3 +1,3 @@
 """The host versions hs_capture instruments (mirrored by the `instruments` extra in setup.cfg)."""
 
-_instruments = ("sglang >= 0.5.10",)
+INSTRUMENTS = ("sglang >= 0.5.10",)

@@ -103,7 +103,7 @@ def server_args() -> Any:
         return None
 
 
-def _arg(args: Any, name: str) -> Any:
+def flag(args: Any, name: str) -> Any:
     if isinstance(args, dict):
         return args.get(name)
     return _attr(args, name)
@@ -121,7 +121,7 @@ RELEVANT_FLAGS = (
 def relevant_flags(args: Any) -> Dict[str, Any]:
     out = {}
     for name in RELEVANT_FLAGS:
-        value = _arg(args, name)
+        value = flag(args, name)
         if value is not None:
             out[name] = value if isinstance(value, (bool, int, float, str)) else str(value)
     return out
@@ -161,15 +161,15 @@ def prefill_off_flags_here() -> List[str]:
         return ["--disable-cuda-graph"]
 
 
-def _on_cuda(args: Any) -> bool:
-    return str(_arg(args, "device") or "cuda") in ("cuda", "gpu")
+def on_cuda(args: Any) -> bool:
+    return str(flag(args, "device") or "cuda") in ("cuda", "gpu")
 
 
 def _phase_backend(args: Any, phase: str) -> Optional[str]:
     """The CUDA-graph backend SGLang resolved for a phase ("decode"/"prefill"), where the release
     publishes one: 0.5.23 in runtime_context.get_exec(), 0.5.15 on the server args."""
     probes = (lambda: importlib.import_module("sglang.srt.runtime_context").get_exec().graph.cuda_graph_config,
-              lambda: _arg(args, "cuda_graph_config"))
+              lambda: flag(args, "cuda_graph_config"))
     for probe in probes:
         try:
             cfg = probe()
@@ -187,23 +187,23 @@ def prefill_graph_state(args: Any) -> Optional[str]:
     Under a prefill graph the forward wrapper runs only while the graph is captured,
     so captures would silently vanish. Resolved config first (0.5.15+), flags after.
     """
-    if not _on_cuda(args):
+    if not on_cuda(args):
         return None  # graphs are CUDA-only; a CPU server always prefills eagerly
     backend = _phase_backend(args, "prefill")
     if backend is not None:
         return None if backend.lower() == "disabled" else f"cuda_graph_backend_prefill={backend}"
-    if _arg(args, "disable_prefill_cuda_graph"):
+    if flag(args, "disable_prefill_cuda_graph"):
         return None
-    piecewise_off = _arg(args, "disable_piecewise_cuda_graph")
-    if isinstance(piecewise_off, bool) and _arg(args, "enable_piecewise_cuda_graph") is None:
+    piecewise_off = flag(args, "disable_piecewise_cuda_graph")
+    if isinstance(piecewise_off, bool) and flag(args, "enable_piecewise_cuda_graph") is None:
         # 0.5.10-0.5.14: piecewise prefill graphs are on by default, and only their own flag
         # turns them off: --disable-cuda-graph leaves them on (model_runner checks only it)
         return None if piecewise_off else PIECEWISE_DEFAULT_ON
-    if _arg(args, "disable_cuda_graph"):
+    if flag(args, "disable_cuda_graph"):
         return None
-    if _arg(args, "enable_piecewise_cuda_graph") and not _arg(args, "disable_piecewise_cuda_graph"):
+    if flag(args, "enable_piecewise_cuda_graph") and not flag(args, "disable_piecewise_cuda_graph"):
         return "enable_piecewise_cuda_graph"
-    backend = _arg(args, "cuda_graph_backend_prefill")
+    backend = flag(args, "cuda_graph_backend_prefill")
     if backend not in (None, "disabled", "DISABLED"):
         return f"cuda_graph_backend_prefill={backend}"
     return None
@@ -212,14 +212,14 @@ def prefill_graph_state(args: Any) -> Optional[str]:
 def decode_graph_state(args: Any) -> Optional[str]:
     """Name of the decode CUDA-graph mode in effect, or None when decode runs eagerly. Harmless
     to capture either way: decode is never captured, and a replay never enters the hook."""
-    if not _on_cuda(args):
+    if not on_cuda(args):
         return None
     backend = _phase_backend(args, "decode")
     if backend is not None:
         return None if backend.lower() == "disabled" else backend
-    if _arg(args, "disable_cuda_graph") or _arg(args, "disable_decode_cuda_graph"):
+    if flag(args, "disable_cuda_graph") or flag(args, "disable_decode_cuda_graph"):
         return None
-    backend = _arg(args, "cuda_graph_backend_decode")
+    backend = flag(args, "cuda_graph_backend_decode")
     if backend in ("disabled", "DISABLED"):
         return None
     return str(backend or "on")
@@ -228,4 +228,4 @@ def decode_graph_state(args: Any) -> Optional[str]:
 def overlap_scheduler(args: Any) -> bool:
     """True when SGLang runs its (default) overlap scheduler: the next batch is prepared, and
     its inputs loaded, while this one still runs."""
-    return not _arg(args, "disable_overlap_schedule")
+    return not flag(args, "disable_overlap_schedule")

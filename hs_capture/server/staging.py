@@ -1,7 +1,7 @@
 """Getting captured tensors off the device without stalling it.
 
 CUDA tensors are copied asynchronously into pinned host buffers on a side stream
-(`.cpu()` would block the step and run ~47x slower, DESIGN.md section 7); the
+(`.cpu()` blocks the step and ran ~47x slower on an H200: 1.1 vs 53 GB/s); the
 writer thread waits on the copy's event. CPU tensors are cloned: SGLang reuses
 its buffers once forward returns.
 

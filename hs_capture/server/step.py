@@ -11,7 +11,7 @@ import torch
 
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
 from hs_capture.dump.schema import IndexLine, SeqEntry, step_line
-from hs_capture.server.step_files import dtype_name
+from hs_capture.dump.hst import dtype_name
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],

@@ -18,14 +18,6 @@ from hs_capture.dump.schema import FileRef
 # The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
 # next batch while this step is still being copied: staging owns them first (staging.py).
 INPUT_PARTS = ("tokens", "positions")
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                      torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _TORCH_DTYPE_NAMES[dtype]
-
-
 def split_parts(tensors: Mapping[str, torch.Tensor], aux_layers: List[int]) -> Dict[str, torch.Tensor]:
     """SGLang's packed aux [T, K*H] cut into one view per layer (L02, L30, ...), on the host."""
     parts = {}
@@ -40,7 +32,7 @@ def split_parts(tensors: Mapping[str, torch.Tensor], aux_layers: List[int]) -> D
 
 
 def _raw(name: str, t: torch.Tensor) -> fmt.RawTensor:
-    return fmt.RawTensor(name, dtype_name(t.dtype), list(t.shape), _bytes_of(t))
+    return fmt.RawTensor(name, fmt.dtype_name(t.dtype), list(t.shape), _bytes_of(t))
 
 
 def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, str], tensors: Mapping[str, torch.Tensor],

@@ -8,7 +8,7 @@ import os
 from typing import Mapping, Optional
 
 from hs_capture.server.config import forced
-from hs_capture.server.package import _instruments
+from hs_capture.server.package import INSTRUMENTS
 
 
 def problem() -> Optional[str]:
@@ -19,7 +19,7 @@ def problem() -> Optional[str]:
         from packaging.requirements import Requirement
     except ImportError:
         return None  # cannot tell: feature detection decides
-    for spec in _instruments:
+    for spec in INSTRUMENTS:
         req = Requirement(spec)
         try:
             have = version(req.name)
