@@ -159,12 +159,18 @@ def test_incomplete_samples_are_listed_never_written(dump, tmp_path):
 
 def test_without_a_dataset_sglangs_warmup_is_left_out_and_said(dump, tmp_path):
     """The fixture's server ran without the launcher, so SGLang's startup warmup (ids [10, 11,
-    12], a generated rid) was captured: merge without --dataset must not make it a sample."""
-    from hs_capture.offline.planning import plan
+    12], a generated rid) was captured: merge without --dataset must not make it a sample, and
+    verify, which plans the same way, must not count it either."""
+    from hs_capture.offline.planning import Captured, plan
 
-    p = plan([dump["dir"]])
-    warm = [rid for rid, pcs in p.samples.items() if rid not in {r["id"] for r in dump["rows"]}]
+    users = {r["id"] for r in dump["rows"]}
+    warm = [rid for rid in Captured([dump["dir"]]).pieces if rid not in users]
     assert len(warm) == 1  # the dump does hold it
+    p = plan([dump["dir"]])
+    assert list(p.left_out) == warm and set(p.samples) == users
+    res = CliRunner().invoke(main, ["verify", dump["dir"], "--json"])
+    stats = json.loads(res.output.strip().splitlines()[-1])["stats"]
+    assert stats["samples_complete"] == len(users) and stats["samples_left_out"] == 1
     out = str(tmp_path / "nods")
     res = CliRunner().invoke(main, ["merge", dump["dir"], "-o", out, "--format", "specforge"])
     assert res.exit_code == 0, res.output
