@@ -2,8 +2,8 @@
 hook, send prompts that chunk and batch, stitch the dump, and compare every captured layer,
 the final state and the pre-norm state with transformers' float32 forward.
 
-Shared by tests/test_models.py (the suite's sglang) and tests/test_versions.py (other
-releases, each in its own venv)."""
+Used by tests/test_versions.py (the suite's sglang, and other releases each in its own venv)
+and by the matrix script (matrix.py)."""
 
 from __future__ import annotations
 
