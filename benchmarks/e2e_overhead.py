@@ -87,7 +87,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.node()} {os.cpu_count()} cpus, no GPU",
             "what": f"real sglang CPU server, tiny DeepSeek-V3 (6 layers, hidden 256, float32), {a.samples} "
                     f"samples 64..1023 tokens ({tokens} tokens), concurrency {a.concurrency}, chunked prefill 512, "
-                    "capture of layers 1,3,5 + final, zstd level 1, 2 writer threads",
+                    f"capture of layers 1,3,5 + final, {extra.get('HSCAP_CODEC', 'bytegroup')} level "
+                    f"{extra.get('HSCAP_LEVEL', '1')}, writer threads {extra.get('HSCAP_WRITER_THREADS', 'auto')}",
             "tokens_per_s_off_median": off, "tokens_per_s_on_median": on,
             "capture_env": extra, "both_env": both, "ratio_on_over_off": round(on / off, 4), "rounds": rounds,
         }

@@ -1,4 +1,5 @@
-"""The capture path on a real GPU (run with the device tool on the H200). Steps are
+"""The capture path on a real GPU (no sglang needed: on an offline GPU machine,
+`bash benchmarks/gpu/device.sh offline python3 benchmarks/gpu/capture.py`). Steps are
 prefill-shaped: 8192 tokens x 7168 bf16 x 4 tensors (SGLang's packed [T, 3H] aux + the final
 state) + ids/positions, 470 MB a step.
 

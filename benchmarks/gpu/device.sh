@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# The GPU runner's two device calls (the device tool; README "GPU runner"), in the repo root
-# on the device machine. The bundle (bin/gpu_bundle.sh) is two xz chunks that do not fit one
-# call, so:
-#   call 1, carry [".gpu-bundle/b2"]:  bash benchmarks/gpu/device.sh stage
-#            unpacks chunk 2 and makes the model and datasets in the background (setsid:
-#            it outlives the call while the machine stays warm)
-#   call 2, carry [".gpu-bundle/b1"], made at once (a machine goes back 30 s after a call):
-#            bash benchmarks/gpu/device.sh run [benchmarks/gpu/server.py options]
-# The offline benchmarks (no sglang) need one call, carry [".gpu-bundle/b3"] (hs_capture's own
-# wheels, bin/gpu_bundle.sh):  bash benchmarks/gpu/device.sh offline python3 benchmarks/...
+# The GPU benchmarks on a machine with an NVIDIA GPU and no internet access, run from the root
+# of a copy of this checkout that holds the bundle bin/gpu_bundle.sh built (.gpu-bundle). The
+# machine's python3 has torch, triton and transformers (see bin/gpu_bundle.sh); everything is
+# staged under $HSCAP_GPU_ROOT (default /root/hscap-gpu). benchmarks/README.md has the figures.
+#   bash benchmarks/gpu/device.sh stage
+#            unpacks chunk 2 (.gpu-bundle/b2) and makes the model and datasets in the background
+#            (benchmarks/gpu/model.py; log in $HSCAP_GPU_ROOT/stage.log); returns at once
+#   bash benchmarks/gpu/device.sh run [benchmarks/gpu/server.py options]
+#            unpacks chunk 1 (.gpu-bundle/b1), waits up to 5 min for staging, runs server.py
+# The offline benchmarks (no sglang) need only hs_capture's own wheels (.gpu-bundle/b3):
+#   bash benchmarks/gpu/device.sh offline python3 benchmarks/...
 set -euo pipefail
 ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
@@ -28,7 +29,7 @@ stage)
   ;;
 run)
   if [ ! -e "$ROOT/stage.log" ]; then
-    echo "nothing staged on this machine (it went back?): make the 'stage' call first" >&2; exit 3
+    echo "nothing staged under $ROOT: run 'bash benchmarks/gpu/device.sh stage' first" >&2; exit 3
   fi
   if [ ! -e "$ROOT/b1.done" ]; then
     xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"

@@ -3,8 +3,8 @@ worker start-up, per-core rates, a -j 1 profile, and what the machine's memory a
 allow when every core writes fresh pages at once.
 
 usage: python benchmarks/gpu/merge_diag.py [--steps 32] [--dir /dev/shm] [--jobs 1 4 16]
-(run with the device tool: `device.sh offline python3 benchmarks/gpu/merge_diag.py`; the last
-run is in merge_diag.results.txt)
+(on an offline machine: `bash benchmarks/gpu/device.sh offline python3
+benchmarks/gpu/merge_diag.py`; a run on a 16-core host is in benchmarks/gpu/merge_diag.results.txt)
 """
 
 from __future__ import annotations

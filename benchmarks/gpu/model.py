@@ -1,5 +1,5 @@
 """The GPU runner's model and loads: a random-weight DeepSeek-V3-shaped model (bf16), made on
-the GPU with the image's transformers in seconds, and the request datasets.
+the GPU with the machine's own transformers in seconds, and the request datasets.
 
 MoE routing is made unambiguous: bf16 and float32 would otherwise pick different experts on
 near-ties, and the capture's fidelity, not tie-breaking, is what is compared. Shape rules of

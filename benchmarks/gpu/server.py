@@ -1,7 +1,8 @@
 """The REAL SGLang on the GPU, with and without the hook: same flags, same load, one run.
 
-Runs on the device machine (benchmarks/gpu/device.sh stages sglang 0.5.15 and the model;
-benchmarks/README.md "gpu/server.py" has the two device calls). For each server in --servers:
+Runs on the GPU machine: `bash benchmarks/gpu/device.sh stage`, then `bash benchmarks/gpu/device.sh
+run --out FILE [options]` stages sglang 0.5.15 and the model and runs this script (the commands
+and figures are in benchmarks/README.md). For each server in --servers:
 
   off       `python -m sglang.launch_server` with exactly the flags `hscap serve` adds, no hook
   on        `hscap serve -d DUMP -- ...`, the documented command: SGLang's defaults (overlap
@@ -270,7 +271,7 @@ def main() -> None:
         if kind != "off" and os.path.isdir(dump) and "error" not in res:
             results["dumps"][kind] = check_dump(kind, args, work, dump)
             print(json.dumps({k: v for k, v in results["dumps"][kind].items() if k != "checks"}), flush=True)
-            shutil.rmtree(dump, ignore_errors=True)  # the device disk is 64 GB
+            shutil.rmtree(dump, ignore_errors=True)  # ~15 GB a dump: room on the disk for the next server
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     off = [s["tokens_per_s"] for s in results["servers"] if s["server"] == "off" and s.get("tokens_per_s")]

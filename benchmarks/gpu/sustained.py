@@ -1,5 +1,6 @@
-"""Capture sustained for minutes at a saturated prefill step, at the DEFAULT settings (run with
-the device tool on the H200; `device.sh offline` stages what it needs).
+"""Capture sustained for minutes at a saturated prefill step, at the DEFAULT settings (no sglang
+needed: on an offline GPU machine, `bash benchmarks/gpu/device.sh offline python3
+benchmarks/gpu/sustained.py ...` puts hs_capture's dependencies on the path).
 
 A "forward" of 112 bf16 matmuls [8192, 7168] x [7168, 7168] (~140 ms: one TP-8 H200's share
 of an 8192-token DeepSeek-V3 prefill) produces SGLang 0.5.23's packed aux [8192, 3 x 7168]
@@ -10,7 +11,7 @@ the critical path). Phases, one process, one target dir each:
   off (no capture) -> on (ShardWriter at the defaults: codec, level, threads, fsync,
   in-flight budget, backlog policy) for --seconds -> off again.
 A janitor deletes each step's files once its index line is written, so minutes of states
-fit the target (the 64 GB disk, or tmpfs). Reported: mean step time on vs off (over every
+fit the target (a disk, or tmpfs). Reported: mean step time on vs off (over every
 step, and over the steady state after --settle-s), produced vs written GB/s, the compression
 ratio achieved, steps written raw by the backlog policy, drops, forwards held, and the
 writer's own disk-bound report. Before each target's run a probe measures the rate the target
