@@ -131,8 +131,8 @@ def writer_threads(cfg: "CaptureConfig", writers: int = 1) -> int:
 def default_writer_threads(writers_on_host: int = 1) -> int:
     """The usable cores less 4 for the server's own processes (scheduler, tokenizer,
     detokenizer), shared by the writing ranks on this host; 2 to 12. One writer on a 16-core
-    H200 host gets 12: ~2.9 GB/s of bf16 states (benchmarks/gpu/capture.py), above the ~1.9
-    GB/s the GPU runner's server produces (4 threads held it to 0.65 of its speed)."""
+    H200 host gets 12: ~2.9 GB/s of bf16 states (benchmarks/gpu/capture.py), above the ~2.0
+    GB/s benchmarks/gpu/server.py's server produces."""
     return max(2, min(12, (usable_cores() - 4) // max(1, writers_on_host)))
 
 
