@@ -14,7 +14,7 @@ from hs_capture.server import config
 from hs_capture.server.bootstrap import HOOK_DIR
 
 
-# The flags capture needs, each for a reason (README "Launcher"):
+# The flags capture needs, each for a reason (README "Capture on a GPU deployment"):
 # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
 # Decode is never captured, so its graphs stay on. Which flag turns prefill graphs alone off
 # depends on the release: asked of the server's own Python.
