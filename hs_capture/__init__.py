@@ -7,4 +7,4 @@
     sitecustomize/  the hook's entry point on PYTHONPATH
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
