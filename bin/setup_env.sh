@@ -23,8 +23,8 @@ pip() {  # in $VENV
 }
 pip install torch==2.14.1 torchvision==0.29.1
 pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
-# the training frameworks whose own reader code the merge tests load (--no-deps: readers only;
-# ModelOpt's dataset and collator are loaded from their files, not through its package)
+# the training frameworks (--no-deps: their GPU stacks are left out; what their own commands need
+# to start is in requirements/test-lock.txt, README "By hand on this CPU" says where each stops)
 pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 nvidia-modelopt==0.47.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
@@ -36,5 +36,5 @@ MO=${MODELOPT_VENV:-.venvs/modelopt}
   > "$("$MO/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_suite_venv.pth"
 VENV=$MO pip install --no-deps -r requirements/modelopt-overlay.txt
 n=$(grep -c "which is not installed\|but you have" "$LOG" || true)
-[ "$n" = 0 ] || echo "note: $n dependencies of the --no-deps packages are left out on purpose (CUDA-only); pip's list: $LOG"
+[ "$n" = 0 ] || echo "note: $n dependencies of the --no-deps packages are left out on purpose (sglang's CUDA kernels, and what the trainers' commands do not need to start on a CPU); pip's list: $LOG"
 echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)'))"

@@ -1,0 +1,195 @@
+"""The README's own commands, taken from its text and run as written on this CPU.
+
+README "By hand on this CPU" marks its fenced blocks with HTML comments:
+  <!-- cpu-env -->            the lines every other block runs after (venv, $W, $PORT)
+  <!-- cpu-recipe -->         serve -> send -> merge -> verify, run in order as one script
+                              (one server for all of it)
+  <!-- cpu-trainer: NAME -->  a trainer's own command(s), each followed by a line
+                              `# stops: MESSAGE`: where it stops on a CPU
+The recipe must end on verify's PASS (exit 0) with every sample merged in all three formats;
+each trainer command must fail with exactly the message the README names (so it got past
+its imports and argument parsing to that point). Every `specforge`/`speculators` subcommand
+any README block names must exist. The ModelOpt block needs a Model-Optimizer checkout
+(MODELOPT_EXAMPLES=.../examples/speculative_decoding): skipped without one.
+README_UNDER_TEST=path runs another copy of the README (to see these tests fail)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+
+import pytest
+
+from tests.sglang_cpu.harness import REPO, free_port
+
+README = os.environ.get("README_UNDER_TEST") or os.path.join(REPO, "README.md")
+MARKED = re.compile(r"<!-- (cpu-env|cpu-recipe|cpu-trainer: ([\w-]+)) -->\s*\n```bash\n(.*?)^```", re.S | re.M)
+FENCED = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+STOPS = "# stops: "
+SAMPLES = 12  # bin/tiny_model.py's default
+
+
+def readme_blocks() -> dict:
+    with open(README) as f:
+        text = f.read()
+    env, recipe, trainers = [], [], {}
+    for m in MARKED.finditer(text):
+        if m.group(1) == "cpu-env":
+            env.append(m.group(3))
+        elif m.group(1) == "cpu-recipe":
+            recipe.append(m.group(3))
+        else:
+            trainers[m.group(2)] = m.group(3)
+    assert len(env) == 1 and recipe and trainers, f"README has no marked CPU blocks ({README})"
+    return {"text": text, "env": env[0], "recipe": recipe, "trainers": trainers}
+
+
+BLOCKS = readme_blocks()
+
+
+def clean_env(work: str, port: int, tmp: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HSCAP_", "SGLANG_HS_")) and k not in ("PYTHONPATH", "VIRTUAL_ENV",
+                                                                     "SGLANG_USE_CPU_ENGINE")}
+    # TMPDIR: SGLang's ZMQ sockets are temp files it never removes
+    env.update(W=work, PORT=str(port), TMPDIR=tmp)
+    return env
+
+
+def run_script(script: str, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """bash, from the checkout's root, in its own process group: whatever it started in the
+    background (the server) is killed with it."""
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"README block ran over {timeout:.0f} s:\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def stop_points(block: str) -> tuple:
+    """(the MESSAGE of each `# stops: MESSAGE` line, in order; the block with the k-th such line
+    replaced by an echo of marker k and the exit status of the command just before it)."""
+    lines, stops = [], []
+    for line in block.splitlines():
+        if line.startswith(STOPS):
+            stops.append(line[len(STOPS):].strip())
+            lines.append(f'echo "@@stop {len(stops) - 1} rc=$?@@"')
+        else:
+            lines.append(line)
+    assert stops, "a cpu-trainer block names no `# stops:` line"
+    assert block.rstrip().splitlines()[-1].startswith(STOPS), "commands after the last `# stops:` line"
+    return stops, "\n".join(lines) + "\n"
+
+
+def squeeze(s: str) -> str:
+    """Whitespace collapsed: rich and argparse wrap long messages at the terminal's width."""
+    return " ".join(s.split())
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    work = tempfile.mkdtemp(prefix="hscap-readme-")
+    tmp = tempfile.mkdtemp(prefix="hscap-readme-tmp-")
+    try:
+        env = clean_env(work, free_port(), tmp)
+        res = run_script(BLOCKS["env"] + "\n" + "\n".join(BLOCKS["recipe"]), env, timeout=900)
+        log = os.path.join(work, "server.log")
+        server_log = "(no server.log)"
+        if os.path.exists(log):
+            with open(log, errors="replace") as f:
+                server_log = f.read()[-3000:]
+        yield {"work": work, "env": env, "out": res.stdout, "rc": res.returncode,
+               "server_log": server_log}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_cpu_recipe_serves_sends_merges_and_verifies_pass(recipe):
+    out, w = recipe["out"], recipe["work"]
+    assert recipe["rc"] == 0, f"{out[-5000:]}\n--- server.log:\n{recipe['server_log']}"
+    assert out.rstrip().splitlines()[-1].startswith("PASS"), out[-6000:]  # verify's last line
+    assert "final state post-norm and pre-norm" in out  # the `grep HS_DUMP` of the server log
+    assert "closed:" in out and "0 dropped, 0 failed" in out
+    assert f"samples_complete={SAMPLES}" in out and "samples_incomplete=0" in out
+    assert len(glob.glob(os.path.join(w, "sf", "*.ckpt"))) == SAMPLES
+    assert len(glob.glob(os.path.join(w, "mo", "*.pt"))) == SAMPLES
+    assert len(glob.glob(os.path.join(w, "sp", "hidden_states", "hs_*.safetensors"))) == SAMPLES
+
+
+def _ids(pattern: str, block: str) -> list:
+    m = re.search(pattern, block)
+    assert m, f"no {pattern!r} in the README block"
+    return [int(x) for x in re.findall(r"\d+", m.group(1))]
+
+
+def test_trainer_layer_ids_in_the_readme_are_the_ones_merge_wrote(recipe):
+    assert recipe["rc"] == 0, recipe["out"][-3000:]
+    t, w = BLOCKS["trainers"], recipe["work"]
+
+    def settings(sub):
+        with open(os.path.join(w, sub, "trainer_settings.json")) as f:
+            return json.load(f)["settings"]
+
+    assert _ids(r"aux_hidden_state_layer_ids: (\[[\d, ]*\])", t["specforge"]) == \
+        settings("sf")["model.aux_hidden_state_layer_ids"]
+    assert _ids(r"--target-layer-ids((?: \d+)+)", t["speculators"]) == \
+        settings(os.path.join("sp", "hidden_states"))["target_layer_ids"]
+    assert _ids(r"eagle_aux_hidden_state_layer_ids=(\[[\d,]*\])", t["modelopt"]) == \
+        settings("mo")["eagle_aux_hidden_state_layer_ids"]
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS["trainers"]))
+def test_trainer_command_stops_where_the_readme_says(recipe, name):
+    assert recipe["rc"] == 0, recipe["out"][-3000:]
+    env = dict(recipe["env"])
+    if name == "modelopt":
+        examples = os.environ.get("MODELOPT_EXAMPLES")
+        if not examples or not os.path.exists(os.path.join(examples, "main.py")):
+            pytest.skip("ModelOpt's training entry is in a Model-Optimizer checkout: set MODELOPT_EXAMPLES to its "
+                        "examples/speculative_decoding")
+        env["MODELOPT_EXAMPLES"] = examples
+    stops, script = stop_points(BLOCKS["trainers"][name])
+    res = run_script(BLOCKS["env"] + "\n" + script, env, timeout=900)
+    pieces = re.split(r"@@stop (\d+) rc=(\d+)@@\n", res.stdout)
+    # [output before marker 0, k, rc, output before marker 1, k, rc, ..., the rest]
+    assert len(pieces) == 3 * len(stops) + 1, res.stdout[-6000:]
+    for k, message in enumerate(stops):
+        before, rc = pieces[3 * k], int(pieces[3 * k + 2])
+        assert rc != 0, f"{name} command {k} did not stop:\n{before[-4000:]}"
+        assert squeeze(message) in squeeze(before), \
+            f"{name} command {k} did not stop at `{message}`:\n{before[-4000:]}"
+        assert "ModuleNotFoundError" not in before, before[-4000:]
+
+
+def test_trainer_subcommands_the_readme_names_exist():
+    """Every `specforge X` / `speculators X` line of any README block names a subcommand that
+    exists (the README's commands with placeholders cannot run as they are): those the marked
+    CPU blocks run are checked by running them (above), any other by `X --help` exiting 0."""
+    def subcommands(blocks):
+        return {tuple(line.split()[:2]) for block in blocks for line in block.splitlines()
+                if len(line.split()) >= 2 and line.split()[0] in ("specforge", "speculators")}
+
+    named = subcommands(FENCED.findall(BLOCKS["text"]))
+    run = subcommands(BLOCKS["recipe"] + list(BLOCKS["trainers"].values()))
+    assert {("speculators", "prepare-data"), ("speculators", "train"), ("specforge", "train")} <= run
+    assert ("speculators", "prepare-data") in named
+    for prog, sub in sorted(named - run):
+        res = subprocess.run([os.path.join(REPO, ".venv", "bin", prog), sub, "--help"], capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+        assert res.returncode == 0, f"`{prog} {sub} --help` exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}"
