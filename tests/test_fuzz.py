@@ -23,6 +23,7 @@ from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta, SchemaError, SeqEntry, step_line
 from hs_capture.offline.reader import open_runs
+from hs_capture.offline.formats import FORMATS, SampleRef
 from hs_capture.offline.formats.speculators import load_safetensors
 from hs_capture.server.writer import ShardWriter
 from tests.sglang_cpu.stitch import stitch
@@ -212,6 +213,10 @@ def test_safetensors_reader_fails_only_with_format_errors(tmp_path_factory, edit
     try:
         load_safetensors(bad)
     except fmt.FormatError:
+        pass
+    try:  # the format's reader on top: KeyError for a tensor the file lacks, else the format's errors
+        FORMATS["speculators"].load(SampleRef("speculators", bad, hidden_size=8), {})
+    except (fmt.FormatError, KeyError):
         pass
 
 

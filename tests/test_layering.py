@@ -1,6 +1,7 @@
 """The package's layering is a tested fact (.importlinter): the server side never imports the
 offline tools, the offline tools never import the server side or sglang, the dump contract
-imports neither, and no package's modules import each other in a circle."""
+imports neither, no package's modules import each other in a circle, and merge, verify, the
+dataset and the CLI reach a training format only through the registry."""
 
 import os
 import shutil
@@ -22,7 +23,7 @@ def lint(root: str):
 def test_the_layering_contracts_hold():
     out = lint(REPO)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert "4 kept, 0 broken" in out.stdout
+    assert "5 kept, 0 broken" in out.stdout
 
 
 def test_a_forbidden_import_breaks_its_contract(tmp_path):
@@ -34,6 +35,8 @@ def test_a_forbidden_import_breaks_its_contract(tmp_path):
         "offline/reader.py": ("import sglang.srt  # planted\n", "offline tools never import"),
         "dump/paths.py": ("from hs_capture.server import config  # planted\n", "dump contract imports neither"),
         "offline/coverage.py": ("from hs_capture.offline import planning  # planted\n", "No import cycles"),
+        "offline/dataset.py": ("from hs_capture.offline.formats import native  # planted\n",
+                               "only through the registry"),
     }
     for rel, (line, contract) in planted.items():
         path = copy / "hs_capture" / rel

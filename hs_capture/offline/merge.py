@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from hs_capture.offline import procs
 from hs_capture.offline.attribution import unattributed
 from hs_capture.dump.files import atomic_write
-from hs_capture.offline.formats import FORMATS, NAMES, native
+from hs_capture.offline.formats import FORMATS, NAMES, Output, TrainingFormat
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
 from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK
 from hs_capture.offline.merge_result import Item, MergeResult
@@ -30,7 +30,6 @@ from hs_capture.offline.planning import Plan, plan
 from hs_capture.dump.layer_ids import ServedIds, family_of, served_ids
 
 REPORT = MERGE_REPORT
-SHARD_RAW_BYTES = 1 << 30  # native shards: ~1 GB of raw states each (merge memory follows)
 WORKER = "hs_capture.offline.merge_worker"  # decodes and writes; the only part that imports torch
 
 
@@ -86,20 +85,16 @@ def _runs(seq: List, target: float, size: Callable[[object], int],
     return [r for r in runs if r]
 
 
+def _end_step(p: Plan, rid: str) -> Tuple[int, str, int]:
+    """The step that ends a sample: (run, rank, step)."""
+    pc = p.samples[rid][-1]
+    return (pc.run, pc.rank, pc.step)
+
+
 def _cut(p: Plan, items: List[Item], target: float) -> List[List[Item]]:
     """Runs of step-ordered items of about `target` bytes, cut only between samples that end
     in different steps (a step's samples share its decode)."""
-    def end(item: Item):
-        pc = p.samples[item[1]][-1]
-        return (pc.run, pc.rank, pc.step)
-
-    return _runs(items, target, lambda item: _raw_size(p, item[1]), end)
-
-
-def _balanced(p: Plan, items: List[Item], parts: int) -> List[List[Item]]:
-    """`parts` contiguous runs of about equal bytes (fewer when there is less to share)."""
-    total = sum(_raw_size(p, rid) for _, rid in items)
-    return _cut(p, items, total / max(1, parts))
+    return _runs(items, target, lambda item: _raw_size(p, item[1]), lambda item: _end_step(p, item[1]))
 
 
 def _step_raw_bytes(p: Plan) -> int:
@@ -132,8 +127,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     problem = training_format.problem(p.prenorm, p.layers)
     if problem:
         raise MergeError(problem)
-    packed = training_format.file_name is None  # shards listed by an index (native), else a file per sample
-    _remove_temp_files(os.path.join(out_dir, native.SHARD_DIR) if packed else out_dir)
+    _remove_temp_files(os.path.join(out_dir, training_format.data_dir))
     i, n = shard
     rows = [(row, rid) for row, rid in _rows(p, ds) if row % n == i]
     total = MergeResult(fmt_name, loss_mask_source="dataset" if ds else "all ones (no --dataset)", shard=f"{i}/{n}")
@@ -143,12 +137,11 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     in_shard = {rid for _, rid in rows}
     total.unattributed = [rid for rid in unattributed(p.samples) if rid in in_shard] if ds is None else []
     mine = _step_order(p, [(row, rid) for row, rid in rows if rid in p.samples])
-    worker, tasks = _tasks(p, mine, packed, out_dir, shard, jobs)
+    outputs = training_format.plan_outputs(mine, shard, partial(_cut, p))
     # each worker's cache holds at least the steps one sample crosses (a few full steps)
     per_job = max(cache_bytes // max(1, jobs), 2 * _step_raw_bytes(p))
-    _execute(worker, tasks, (p, out_dir, fmt_name, ds, per_job, jobs), jobs, total, len(mine), on_progress)
-    if packed:
-        native.write_index(out_dir, p.layers, p.hidden_size, p.prenorm)
+    _execute(_tasks(p, outputs, jobs), (p, out_dir, fmt_name, ds, per_job, jobs), jobs, total, len(mine), on_progress)
+    training_format.finish(out_dir, p.layers, p.hidden_size, p.prenorm)
     served = _served(p, training_format)
     total.warnings += [w for w in (training_format.dtype_warning(total.dtypes), served and served.problem())
                        if w]
@@ -157,7 +150,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     return total
 
 
-def _served(p: Plan, training_format) -> Optional[ServedIds]:
+def _served(p: Plan, training_format: TrainingFormat) -> Optional[ServedIds]:
     """The layer ids that the engine serving this format's drafters maps onto the captured
     layers: SGLang's rule for the captured family, at the release that captured (most likely
     the one that serves), or vLLM's."""
@@ -175,21 +168,20 @@ def _remove_temp_files(work_dir: str) -> None:
             os.remove(os.path.join(work_dir, name))
 
 
-def _tasks(p: Plan, mine: List[Item], packed: bool, out_dir: str, shard: Tuple[int, int], jobs: int):
-    """The worker function's name (merge_worker) and its tasks: step-ordered runs of samples,
-    or of native shards."""
-    if packed:
-        # shards are cut from the step order by size alone (never by -j): a re-run with any
-        # -j finds the same shards, and skips those that exist
-        shards = [(os.path.join(out_dir, native.shard_name(*shard, k)), b)
-                  for k, b in enumerate(_cut(p, mine, SHARD_RAW_BYTES))]
-        sizes = {path: sum(_raw_size(p, rid) for _, rid in items) for path, items in shards}
-        return "write_shards", _runs(shards, sum(sizes.values()) / max(1, jobs), lambda sh: sizes[sh[0]])
-    if jobs > 1:
-        return "write_files", _balanced(p, mine, jobs)
+def _tasks(p: Plan, outputs: List[Output], jobs: int) -> List[List[Output]]:
+    """The workers' tasks: step-ordered runs of the planned outputs (a file per sample, or
+    shards of many), cut only between outputs whose last samples end in different steps."""
+    def size(out: Output) -> int:
+        return sum(_raw_size(p, rid) for _, rid in out.rows)
+
+    def end(out: Output) -> Tuple[int, str, int]:
+        return _end_step(p, out.rows[-1][1])
+
+    if jobs > 1:  # about equal bytes each
+        return _runs(outputs, sum(size(out) for out in outputs) / jobs, size, end)
     # one process: small runs only pace the progress line (its cache carries over)
-    runs = _cut(p, mine, 0)
-    return "write_files", [sum(runs[k:k + 8], []) for k in range(0, len(runs), 8)]
+    runs = _runs(outputs, 0, size, end)
+    return [sum(runs[k:k + 8], []) for k in range(0, len(runs), 8)]
 
 
 def _worker():
@@ -202,11 +194,11 @@ def _start(*init) -> None:
     _worker().init(*init)
 
 
-def _run(worker: str, task) -> MergeResult:
-    return getattr(_worker(), worker)(task)
+def _run(task: List[Output]) -> MergeResult:
+    return _worker().write(task)
 
 
-def _execute(worker: str, tasks, init: tuple, jobs: int, total: MergeResult, n_samples: int,
+def _execute(tasks: List[List[Output]], init: tuple, jobs: int, total: MergeResult, n_samples: int,
              on_progress: Optional[Callable[[MergeResult, int], None]]) -> None:
     def collect(results) -> None:
         for r in results:
@@ -217,21 +209,22 @@ def _execute(worker: str, tasks, init: tuple, jobs: int, total: MergeResult, n_s
     if jobs <= 1:
         _start(*init)
         try:
-            collect(map(partial(_run, worker), tasks))
+            collect(map(_run, tasks))
         finally:
             _worker().clear()
         return
     with procs.pool(min(jobs, max(1, len(tasks))), [WORKER], _start, init) as pool:
-        collect(pool.map(partial(_run, worker), tasks))
+        collect(pool.map(_run, tasks))
 
 
-def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format, ds: Optional[Inputs],
-                   served: Optional[ServedIds]) -> None:
+def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format: TrainingFormat,
+                   ds: Optional[Inputs], served: Optional[ServedIds]) -> None:
     """merge_report.json (what verify --reference needs to map aux blocks back to layers), and
     the trainer's settings that match the capture."""
-    if training_format.settings is not None and served is not None:
-        real_mask = ds is not None and any(m is not None for m in ds.masks.values())
-        total.settings = training_format.settings(served.ids, real_mask)
+    real_mask = ds is not None and any(m is not None for m in ds.masks.values())
+    settings = training_format.settings(served.ids, real_mask) if served is not None else None
+    if settings is not None:
+        total.settings = settings
         total.serving = served.as_dict()
         note = served.note()
         if note:

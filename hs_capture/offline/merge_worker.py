@@ -5,16 +5,16 @@ and hands out work without it (procs.py)."""
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from hs_capture.offline.assemble import AssembledSample, Assembler
-from hs_capture.offline.formats import FORMATS, native
+from hs_capture.offline.formats import FORMATS, Output
 from hs_capture.offline.formats.common import dtype_name
 from hs_capture.offline.heap import keep_large_buffers
 from hs_capture.offline.inputs import Inputs
-from hs_capture.offline.merge_result import Item, MergeResult
+from hs_capture.offline.merge_result import MergeResult
 from hs_capture.offline.planning import Plan
 from hs_capture.offline import procs
 from hs_capture.offline.reader import DumpError, first_mismatch
@@ -66,45 +66,27 @@ def _count(res: MergeResult, s: AssembledSample) -> None:
         res.dtypes.append(name)
 
 
-def write_files(items: List[Item]) -> MergeResult:
-    """One file per sample (every format but the native one); a file that exists is done."""
+def write(outputs: List[Output]) -> MergeResult:
+    """Write planned outputs through the format (a file per sample, or shards of many); an
+    output that exists is done (writes are atomic), and counts all its samples as skipped."""
     asm, ds = _W["asm"], _W["ds"]
     f = FORMATS[_W["fmt"]]
     res = MergeResult(f.name)
     read0 = asm.bytes_read
-    for row, rid in items:
-        path = os.path.join(_W["out_dir"], f.file_name(rid, row))
+    for out in outputs:
+        path = os.path.join(_W["out_dir"], out.path)
         if os.path.exists(path):
-            res.skipped_existing += 1
+            res.skipped_existing += len(out.rows)
             continue
-        got = _checked_sample(asm, rid, ds, res)
-        if got is None:
-            continue
-        s, loss_mask = got
-        res.bytes_out += f.write(path, s, loss_mask)
-        _count(res, s)
-    res.bytes_in = asm.bytes_read - read0
-    res.worker_peak_rss_bytes = procs.peak_rss_bytes()
-    return res
-
-
-def write_shards(shards: List[Tuple[str, List[Item]]]) -> MergeResult:
-    """Native format: packed shard files, each a fixed run of samples; one that exists is done."""
-    asm, ds = _W["asm"], _W["ds"]
-    res = MergeResult(native.FORMAT.name)
-    read0 = asm.bytes_read
-    for path, items in shards:
-        if os.path.exists(path):
-            res.skipped_existing += len(items)
-            continue
-        packed = []
-        for row, rid in items:
+        samples = []
+        for row, rid in out.rows:
             got = _checked_sample(asm, rid, ds, res)
             if got is not None:
-                packed.append((row, got[0], got[1]))
-                _count(res, got[0])
-        if packed:
-            res.bytes_out += native.write_shard(path, sorted(packed, key=lambda x: x[0]))
+                samples.append((row, *got))
+        if samples:
+            res.bytes_out += f.write(path, samples)
+            for _row, s, _mask in samples:
+                _count(res, s)
     res.bytes_in = asm.bytes_read - read0
     res.worker_peak_rss_bytes = procs.peak_rss_bytes()
     return res

@@ -7,6 +7,7 @@ import hashlib
 
 import numpy as np
 
+from hs_capture.dump.hst import InvalidHeader, TensorInvalidInfo
 from hs_capture.dump.paths import safe_component
 
 
@@ -39,14 +40,14 @@ def load_torch_dict(path: str) -> dict:
 
     d = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(d, dict):
-        raise ValueError(f"holds a {type(d).__name__}, not a dict")
+        raise InvalidHeader(f"holds a {type(d).__name__}, not a dict")
     return d
 
 
 def check_dtypes(d: dict, want: dict) -> None:
     for k, v in want.items():
         if dtype_name(d[k]) != v:
-            raise ValueError(f"{k} is {d[k].dtype}, the format needs {v}")
+            raise TensorInvalidInfo(f"{k} is {d[k].dtype}, the format needs {v}")
 
 
 def stem_of(name: str, suffix: str):

@@ -1,4 +1,6 @@
-"""One merged sample as read back (any format): numpy arrays, states widened to float32."""
+"""One merged sample as read back (any format): numpy arrays with the states widened to
+float32 (what verify checks), or torch tensors of the stored dtypes (what HsCaptureDataset
+hands a trainer)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 
 @dataclass
 class MergedSample:
-    """One sample of `hscap merge` output read back through its format (what verify checks)."""
+    """One sample of `hscap merge` output read back through its format (TrainingFormat.load)."""
 
     rid: Optional[str]
     input_ids: np.ndarray

@@ -3,44 +3,51 @@ input_ids, hidden_states (T, H), aux_hidden_states (T, K*H), loss_mask, hidden_s
 
 from __future__ import annotations
 
+from typing import Dict, Optional, Sequence
+
 from hs_capture.dump.files import atomic_file
+from hs_capture.offline.formats.base import PerSampleFormat, SampleRef, stored_width
 from hs_capture.offline.formats.common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
 from hs_capture.offline.formats.merged_sample import MergedSample
 
 
-def write(path: str, s, loss_mask) -> int:
-    import torch
+class ModelOpt(PerSampleFormat):
+    name = "modelopt"
+    what = "ModelOpt: <id>-<hash>.pt, loadable with weights_only=True"
+    pattern = "*.pt"
+    served_by = "sglang"
 
-    data = {"conversation_id": s.rid, "input_ids": s.input_ids.clone(), "hidden_states": s.final.clone(),
-            "aux_hidden_states": aux_of(s).contiguous(), "loss_mask": loss_mask.to(torch.int64),
-            "hidden_states_prenorm": False}
-    return atomic_file(path, lambda p: torch.save(data, p))
+    def file_name(self, rid: str, row: int) -> str:
+        return sample_file_stem(rid) + ".pt"
+
+    def identify(self, name: str):
+        return stem_of(name, ".pt")
+
+    def write_sample(self, path: str, s, loss_mask) -> int:
+        import torch
+
+        data = {"conversation_id": s.rid, "input_ids": s.input_ids.clone(), "hidden_states": s.final.clone(),
+                "aux_hidden_states": aux_of(s).contiguous(), "loss_mask": loss_mask.to(torch.int64),
+                "hidden_states_prenorm": False}
+        return atomic_file(path, lambda p: torch.save(data, p))
+
+    def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
+        d = load_torch_dict(ref.path)
+        check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
+        rid = d.get("conversation_id")
+        fin = d["hidden_states"]
+        stored_width(ref, fin.shape[-1])
+        conv = (lambda t: t) if as_torch else to_numpy
+        return MergedSample(str(rid) if rid is not None else None, conv(d["input_ids"]), conv(d["loss_mask"]),
+                            conv(d["aux_hidden_states"]), conv(fin), None, fin.shape[-1], dtype_name(fin))
+
+    def settings(self, ids: Optional[Sequence[int]], real_mask: bool) -> Dict[str, object]:
+        # ModelOpt exports these ids into the drafter's config.json (eagle_config), where SGLang
+        # reads them when it serves the drafter; offline training uses only how many there are
+        return {"eagle_aux_hidden_state_layer_ids": ids,
+                # its loss_mask is read only with answer_only_loss; else every token is trained on
+                "answer_only_loss": real_mask}
 
 
-def load(path: str, key, headers) -> MergedSample:
-    d = load_torch_dict(path)
-    check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})
-    rid = d.get("conversation_id")
-    fin = d["hidden_states"]
-    return MergedSample(str(rid) if rid is not None else None, to_numpy(d["input_ids"]), to_numpy(d["loss_mask"]),
-                  to_numpy(d["aux_hidden_states"]), to_numpy(fin), None, fin.shape[-1], dtype_name(fin))
-
-
-def settings(ids, real_mask: bool) -> dict:
-    # ModelOpt exports these ids into the drafter's config.json (eagle_config), where SGLang
-    # reads them when it serves the drafter; offline training uses only how many there are
-    return {"eagle_aux_hidden_state_layer_ids": ids,
-            # its loss_mask is read only with answer_only_loss; else every token is trained on
-            "answer_only_loss": real_mask}
-
-
-def _format():
-    from hs_capture.offline.formats import TrainingFormat
-
-    return TrainingFormat("modelopt", "ModelOpt: <id>-<hash>.pt, loadable with weights_only=True",
-                          lambda rid, row: sample_file_stem(rid) + ".pt", lambda name: stem_of(name, ".pt"),
-                          write, load, served_by="sglang", settings=settings)
-
-
-FORMAT = _format()
+FORMAT = ModelOpt()

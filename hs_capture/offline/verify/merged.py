@@ -1,75 +1,57 @@
 """Verify `hscap merge` output in any of its formats: every sample present, loadable, with
 its format's keys, dtypes and shapes, token ids equal to the dataset, and sane values.
 
-Formats are recognised by their files through the format registry (hs_capture.offline.formats: the
-native format by its index.json, the others by their file names); merge_report.json, when
-there, says which samples merge left out and why.
+Each format finds its own samples and reads them back (hs_capture.offline.formats: the native
+format through its index.json, the others by their file names); merge_report.json, when
+there, says which samples merge left out and why, and the hidden size the readers check.
 Torch files are opened with weights_only=True: nothing read is ever unpickled as code."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hs_capture.dump import hst as fmt
-from hs_capture.offline.formats import FORMATS, MergedSample, for_file, native
-from hs_capture.dump.paths import MERGE_REPORT, NATIVE_INDEX, TEMP_MARK
+from hs_capture.offline.formats import FORMATS, ListingError, MergedSample, SampleRef
+from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK
 from hs_capture.offline.reader import first_mismatch
 from hs_capture.offline.verify.pool import bounded_map, pick
 from hs_capture.offline.verify.report import Report
 from hs_capture.offline.verify.values import identical_pairs, value_problems
 
-
-@dataclass
-class Item:
-    """One merged sample to check: where it is and how to read it."""
-
-    fmt: str
-    path: str  # file
-    rid: Optional[str] = None  # known from the file name / index (None: read from the file)
-    row: Optional[int] = None
-    key: Optional[str] = None  # native: the row's tensor prefix
+Item = SampleRef  # one merged sample to check: where it is and how its format reads it
 
 
 def is_merged(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MERGE_REPORT)) or os.path.isfile(os.path.join(path, NATIVE_INDEX))
+    return os.path.isfile(os.path.join(path, MERGE_REPORT)) or any(f.marks(path) for f in FORMATS.values())
 
 
-def _stem_rid_map(rids: Sequence[str]) -> Dict[str, str]:
-    from hs_capture.offline.formats.common import sample_file_stem
-
-    return {sample_file_stem(r): r for r in rids}
+def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[int]]:
+    """From merge_report.json, when there: rid -> reason for samples merge reported
+    incomplete, and the hidden size it recorded."""
+    rpath = os.path.join(root, MERGE_REPORT)
+    if not os.path.isfile(rpath):
+        return {}, None
+    try:
+        with open(rpath) as f:
+            rep = json.load(f)
+        incomplete = {str(k): str(v) for k, v in (rep.get("incomplete") or {}).items()}
+        report.stats.setdefault("merge_reports", []).append({k: rep.get(k) for k in ("format", "shard", "layers")})
+    except (OSError, ValueError, AttributeError) as e:
+        report.add("samples", f"merge report unreadable: {e}", path=rpath)
+        return {}, None
+    hidden = rep.get("hidden_size")
+    return incomplete, hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
 
 
 def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[List[Item], Dict[str, str]]:
     """Items under a merged dir, and rid -> reason for samples merge reported incomplete."""
-    items: List[Item] = []
-    incomplete: Dict[str, str] = {}
-    rpath = os.path.join(root, MERGE_REPORT)
-    if os.path.isfile(rpath):
-        try:
-            with open(rpath) as f:
-                rep = json.load(f)
-            incomplete = {str(k): str(v) for k, v in (rep.get("incomplete") or {}).items()}
-            report.stats.setdefault("merge_reports", []).append({k: rep.get(k) for k in ("format", "shard", "layers")})
-        except (OSError, ValueError, AttributeError) as e:
-            report.add("samples", f"merge report unreadable: {e}", path=rpath)
-    stems = _stem_rid_map(order) if order else {}
-    index = os.path.join(root, NATIVE_INDEX)
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                idx = json.load(f)
-            for rid, row, shard, _n in idx["samples"]:
-                if os.path.isabs(shard) or os.path.normpath(shard).startswith(".."):
-                    raise ValueError(f"shard path {shard!r} leaves the dataset dir")
-                items.append(Item(native.FORMAT.name, os.path.join(root, shard), str(rid), int(row), str(row)))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            report.add("samples", f"native index unreadable: {e}", path=index)
+    incomplete, hidden = _merge_report(root, report)
+    files: List[str] = []
     for dirpath, dirs, names in os.walk(root):
         dirs.sort()
         for name in sorted(names):
@@ -77,27 +59,23 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
             if TEMP_MARK in name:
                 report.add("files", "temp file left by an interrupted merge", path=full)
             else:
-                found = for_file(name)
-                if found is None:
-                    continue
-                f, stem, row = found
-                rid = stems.get(stem) if stem is not None else (
-                    order[row] if order and row is not None and row < len(order) else None)
-                items.append(Item(f.name, full, rid, row))
-    if os.path.isfile(index):  # shards not named by index.json are extra
-        named = {os.path.normpath(i.path) for i in items if i.fmt == native.FORMAT.name}
-        sdir = os.path.join(root, native.SHARD_DIR)
-        for name in sorted(os.listdir(sdir)) if os.path.isdir(sdir) else []:
-            full = os.path.normpath(os.path.join(sdir, name))
-            if name.endswith(".hst") and TEMP_MARK not in name and full not in named:
-                report.add("files", "shard not listed in index.json", path=full)
+                files.append(full)
+    items: List[Item] = []
+    for f in FORMATS.values():
+        try:
+            found = f.discover(root, files, lambda message, path: report.add("files", message, path=path), order)
+        except ListingError as e:
+            report.add("samples", e.reason, path=e.path)
+            continue
+        # the readers check the states' width against the hidden size the merge recorded
+        items += [replace(r, hidden_size=hidden) if r.hidden_size is None and hidden is not None else r for r in found]
     return items, incomplete
 
 
 # ----------------------------------------------------------------- loading
-def load_item(item: Item, headers: Dict[str, fmt.Header]) -> MergedSample:
-    """Read one merged sample through its format's entry. KeyError / ValueError: wrong layout."""
-    s = FORMATS[item.fmt].load(item.path, item.key, headers)
+def load_item(item: Item, headers: Dict) -> MergedSample:
+    """Read one merged sample through its format. KeyError / hst.FormatError: wrong layout."""
+    s = FORMATS[item.fmt].load(item, headers)
     if s.rid is None:
         s.rid = item.rid  # the format's file does not carry it: known from its name or the index
     return s
@@ -105,7 +83,7 @@ def load_item(item: Item, headers: Dict[str, fmt.Header]) -> MergedSample:
 
 # ----------------------------------------------------------------- checks
 def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]]],
-               headers: Dict[str, fmt.Header], seen: Dict[str, str]) -> Optional[MergedSample]:
+               headers: Dict, seen: Dict[str, str]) -> Optional[MergedSample]:
     """Load one merged sample and check it; the sample, or None when it cannot be used."""
     report.looked("samples")
     s = _load_checked(item, report, headers)
@@ -134,7 +112,7 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
     return s
 
 
-def _load_checked(item: Item, report: Report, headers: Dict[str, fmt.Header]) -> Optional[MergedSample]:
+def _load_checked(item: Item, report: Report, headers: Dict) -> Optional[MergedSample]:
     """load_item, with each way a file can be broken reported under its check."""
     try:
         return load_item(item, headers)
@@ -196,8 +174,8 @@ def verify_merged(paths: Sequence[str], report: Report, dataset: Optional[Dict[s
         items += got
         incomplete.update(inc)
     if not items:
-        report.add("samples", "no merged sample found (no *.ckpt, *.pt, hs_*.safetensors or index.json)",
-                   path=",".join(paths))
+        *most, last = [f.pattern for f in FORMATS.values()]
+        report.add("samples", f"no merged sample found (no {', '.join(most)} or {last})", path=",".join(paths))
     report.looked("coverage", len(items) + len(incomplete))
     for rid, reason in sorted(incomplete.items()):
         report.add("coverage", f"left out by merge: {reason}", rid=rid)
@@ -211,7 +189,7 @@ def verify_merged(paths: Sequence[str], report: Report, dataset: Optional[Dict[s
     todo = pick(items, sample, seed)
     report.stats.update(merged_files=len({i.path for i in items}), samples=len(items), samples_checked=len(todo),
                         formats=sorted({i.fmt for i in items}))
-    headers: Dict[str, fmt.Header] = {}
+    headers: Dict = {}  # the formats' memo across loads (native: shard headers)
     seen: Dict[str, str] = {}
     for _ in bounded_map(lambda it: check_item(it, report, dataset, headers, seen), todo, jobs, progress):
         pass
