@@ -231,7 +231,7 @@ def read_header(f: BinaryIO, file_size: int) -> Header:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("header does not start with '{'")
-        header = json.loads(text, object_pairs_hook=_no_duplicates)
+        header = json.loads(text, object_pairs_hook=no_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidHeader(f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
@@ -258,7 +258,8 @@ def read_header(f: BinaryIO, file_size: int) -> Header:
     return Header(meta, tensors, payload_start)
 
 
-def _no_duplicates(pairs):
+def no_duplicate_keys(pairs):
+    """json.loads object_pairs_hook: a key given twice is a ValueError, not a silent overwrite."""
     d = {}
     for k, v in pairs:
         if k in d:

@@ -58,15 +58,6 @@ def _count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _no_duplicates(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
-
-
 RawEntry = Tuple[bytes, str, List[int]]  # (bytes, safetensors dtype, shape)
 
 
@@ -82,7 +73,7 @@ def read_safetensors(path: str) -> Tuple[Dict[str, RawEntry], Dict[str, str]]:
             raise (fmt.HeaderTooLarge if n > fmt.MAX_HEADER_BYTES else fmt.Truncated)(
                 f"header length {n} runs past the end of the {size}-byte file")
         try:
-            header = json.loads(f.read(n), object_pairs_hook=_no_duplicates)
+            header = json.loads(f.read(n), object_pairs_hook=fmt.no_duplicate_keys)
             meta = header.pop("__metadata__", {}) or {}
         except (ValueError, AttributeError, RecursionError) as e:
             raise fmt.InvalidHeader(f"header is not a JSON object: {e}") from None
