@@ -35,7 +35,8 @@ sys.path.insert(0, REPO)
 from hs_capture.server.config import CaptureConfig  # noqa: E402
 from hs_capture.dump.paths import RankId  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
-from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
+from hs_capture.dump.schema import RankMeta, step_line  # noqa: E402
+from tests.sglang_cpu.chained import chained_steps, positions  # noqa: E402
 
 H, LAYERS, STEP = 7168, [2, 30, 58], 8192
 
@@ -52,17 +53,9 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
     w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=H, num_layers=61))
     w.start()
     outliers = torch.randperm(H, generator=g)[:16]
-    rid, left, pos = 0, rng.randrange(64, 4096), 0
     made = []
-    for k in range(steps):
-        seqs, t = [], 0
-        while t < step_tokens:
-            n = min(left, step_tokens - t)
-            seqs.append({"rid": f"s{rid}", "len": n, "prefix": pos, "offset": t})
-            t, left, pos = t + n, left - n, pos + n
-            if left == 0:
-                rid, left, pos = rid + 1, rng.randrange(64, 4096), 0
-
+    all_seqs, whole = chained_steps(rng, steps, step_tokens, 64, 4096)
+    for k, seqs in enumerate(all_seqs):
         def states(k):
             x = torch.randn(step_tokens, k * H, generator=g)
             x.view(step_tokens, k, H)[:, :, outliers] *= 50
@@ -72,12 +65,10 @@ def synthetic_dump(root: str, steps: int, seed: int = 0, step_tokens: int = STEP
             made.append((states(3), states(1)))
         aux, final = made[k % len(made)]
         tensors = {"aux": aux, "final": final,
-                   "tokens": torch.randint(0, 100000, (step_tokens,), generator=g),
-                   "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
-        w.submit(step_line("EXTEND", step_tokens, step_tokens, "bfloat16", [SeqEntry(**s) for s in seqs]), tensors,
-                 aux_layers=LAYERS)
+                   "tokens": torch.randint(0, 100000, (step_tokens,), generator=g), "positions": positions(seqs)}
+        w.submit(step_line("EXTEND", step_tokens, step_tokens, "bfloat16", seqs), tensors, aux_layers=LAYERS)
     w.close()
-    return rid  # whole samples (the last, unfinished one is incomplete: merge skips it)
+    return whole  # whole samples (the last, unfinished one is incomplete: merge skips it)
 
 
 # A child's peak-RSS counter starts at its parent's (Linux keeps it across fork and exec, and

@@ -15,7 +15,8 @@ from hs_capture.cli import main
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import RankId
 from hs_capture.server.writer import ShardWriter
-from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
+from hs_capture.dump.schema import RankMeta, step_line
+from tests.sglang_cpu.chained import chained_steps, positions
 
 H, LAYERS, STEP, STEPS = 32, [1, 3], 64, 12
 
@@ -27,20 +28,12 @@ def chained(tmp_path_factory):
     cfg = CaptureConfig(dump_dir=root, run_id="run-chained", layers=LAYERS, writer_threads=2, fsync=False)
     w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=H, num_layers=4))
     w.start()
-    rid, left, pos = 0, rng.randrange(8, STEP), 0
-    for _ in range(STEPS):
-        seqs, t = [], 0
-        while t < STEP:
-            n = min(left, STEP - t)
-            seqs.append({"rid": f"s{rid}", "len": n, "prefix": pos, "offset": t})
-            t, left, pos = t + n, left - n, pos + n
-            if left == 0:
-                rid, left, pos = rid + 1, rng.randrange(8, STEP), 0
+    steps, _ = chained_steps(rng, STEPS, STEP, 8, STEP)
+    for seqs in steps:
         tensors = {"aux": torch.randn(STEP, 2 * H, generator=g).to(torch.bfloat16),
                    "final": torch.randn(STEP, H, generator=g).to(torch.bfloat16),
-                   "tokens": torch.randint(0, 1000, (STEP,), generator=g),
-                   "positions": torch.cat([torch.arange(s["prefix"], s["prefix"] + s["len"]) for s in seqs])}
-        w.submit(step_line("EXTEND", STEP, STEP, "bfloat16", [SeqEntry(**s) for s in seqs]), tensors, aux_layers=LAYERS)
+                   "tokens": torch.randint(0, 1000, (STEP,), generator=g), "positions": positions(seqs)}
+        w.submit(step_line("EXTEND", STEP, STEP, "bfloat16", seqs), tensors, aux_layers=LAYERS)
     assert w.close()
     return root
 
