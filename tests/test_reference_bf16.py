@@ -71,11 +71,11 @@ def test_wrong_bf16_states_fail(bf16_dump):
     other = Stored(a.rid, None, a.input_ids, {k: b.layers[k][:n] for k in a.layers}, b.final[:n], None, "bfloat16")
     shifted = Stored(a.rid, None, a.input_ids, {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}, a.final,
                      None, "bfloat16")
-    layer = Stored(a.rid, None, a.input_ids, {1: a.layers[1], 3: a.layers[5], 5: a.layers[5]}, a.final, None,
+    layer = Stored(a.rid, None, a.input_ids, {2: a.layers[2], 3: a.layers[5], 5: a.layers[5]}, a.final, None,
                    "bfloat16")
     one_row = Stored(a.rid, None, a.input_ids, {k: v.copy() for k, v in a.layers.items()}, a.final, None, "bfloat16")
     one_row.layers[3][100] = b.layers[3][100]
-    for bad, where in ((other, "layer 1"), (shifted, "layer 1"), (layer, "layer 3"), (one_row, "layer 3")):
+    for bad, where in ((other, "layer 2"), (shifted, "layer 2"), (layer, "layer 3"), (one_row, "layer 3")):
         found = _judged(ref, [bad])
         assert found and any(m.startswith(where) for m in found), (where, found)
     assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
