@@ -26,14 +26,15 @@ class Progress:
         self.total = total
         self.tty = sys.stderr.isatty()
         self._last = 0.0
+        self._shown = ""
 
     def update(self, text: str, force: bool = False) -> None:
-        if not self.enabled:
+        if not self.enabled or text == self._shown:  # a forced final line already on screen: once
             return
         now = time.monotonic()
         if not force and now - self._last < (0.25 if self.tty else 10.0):
             return
-        self._last = now
+        self._last, self._shown = now, text
         if self.tty:
             click.echo("\r\033[K" + text, err=True, nl=False)
         else:
