@@ -36,6 +36,11 @@ _PREFIX = len(MAGIC) + 8
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
 
 
+def is_count(x: object) -> bool:
+    """A size, offset or index: a non-negative int (JSON true/false are not)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def dtype_name(dtype: object) -> str:
     """The one spelling of a dtype, for a torch or numpy dtype: "torch.bfloat16" -> "bfloat16"."""
     name = str(dtype).rsplit(".", 1)[-1]
@@ -283,7 +288,7 @@ def _entry(name: str, info) -> TensorEntry:
         raise CodecError(f"{name}: bytegroup is for floats, not {dtype}")
     if not isinstance(shape, list):
         raise TensorInvalidInfo(f"{name}: shape is not a list")
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (begin, end, nbytes, crc)):
+    if not all(is_count(x) for x in (begin, end, nbytes, crc)):
         raise TensorInvalidInfo(f"{name}: offsets, nbytes and crc32 must be non-negative integers")
     if nbytes > MAX_TENSOR_BYTES:
         raise TensorInvalidInfo(f"{name}: {nbytes} bytes is beyond any tensor ({MAX_TENSOR_BYTES} max)")

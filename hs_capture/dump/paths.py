@@ -77,6 +77,12 @@ def step_parts(layers, prenorm: bool) -> list:
     return [part_name(k) for k in layers] + [FINAL] + ([PRENORM] if prenorm else [])
 
 
+def inside(rel: object) -> bool:
+    """A relative path that stays inside the directory it is relative to (what an index may
+    name: a path read from a file never reaches outside its dump or output dir)."""
+    return isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and not os.path.normpath(rel).startswith("..")
+
+
 def is_run_dir(path: str) -> bool:
     return os.path.isdir(os.path.join(path, RANKS))
 

@@ -8,9 +8,11 @@ SchemaError with the reason. FORMAT.md documents every field (a test holds the t
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from hs_capture.dump.hst import is_count
+from hs_capture.dump.paths import inside
 
 # "schema" in the run metadata; its index lines follow the same version. Dumps written before
 # the field existed are version 1.
@@ -20,15 +22,6 @@ LAYER_CONVENTION = "entering: index i = residual stream entering decoder layer i
 
 class SchemaError(ValueError):
     """A record that is not one this code can read: the message says why."""
-
-
-def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def inside(rel: Any) -> bool:
-    """A relative path that stays inside the directory it is relative to."""
-    return isinstance(rel, str) and bool(rel) and not os.path.isabs(rel) and not os.path.normpath(rel).startswith("..")
 
 
 # ----------------------------------------------------------------- index lines
@@ -94,7 +87,7 @@ class IndexLine:
         """The line, or SchemaError naming what is wrong with it. Paths must stay inside the run dir."""
         if not isinstance(d, dict):
             raise SchemaError("not a JSON object")
-        if not _nonneg_int(d.get("step")):
+        if not is_count(d.get("step")):
             raise SchemaError("no valid step number")
         common = {"step": d["step"], "mode": str(d.get("mode") or ""), "dtype": str(d.get("dtype") or ""),
                   "time": d.get("time") if isinstance(d.get("time"), (int, float)) else None}
@@ -102,19 +95,19 @@ class IndexLine:
             if "dropped" not in d:
                 raise SchemaError("neither files nor dropped")
             n = d.get("num_tokens")
-            return cls(**common, num_tokens=n if _nonneg_int(n) else 0, rows=d.get("rows") if _nonneg_int(
+            return cls(**common, num_tokens=n if is_count(n) else 0, rows=d.get("rows") if is_count(
                 d.get("rows")) else 0, seqs=_seqs(d.get("seqs"), None), dropped=str(d["dropped"]))
         files, n = d.get("files"), d.get("num_tokens")
-        if not isinstance(files, dict) or not isinstance(d.get("seqs"), list) or not _nonneg_int(n):
+        if not isinstance(files, dict) or not isinstance(d.get("seqs"), list) or not is_count(n):
             raise SchemaError("files, seqs or num_tokens malformed")
         refs = {}
         for part, f in files.items():
             rel = f.get("path") if isinstance(f, dict) else None
             if not inside(rel):
                 raise SchemaError(f"part {part!r} has no path inside the run dir")
-            refs[str(part)] = FileRef(rel, int(f["bytes"]) if _nonneg_int(f.get("bytes")) else 0)
+            refs[str(part)] = FileRef(rel, int(f["bytes"]) if is_count(f.get("bytes")) else 0)
         rows = d.get("rows")
-        return cls(**common, num_tokens=n, rows=rows if _nonneg_int(rows) else n, seqs=_seqs(d["seqs"], n),
+        return cls(**common, num_tokens=n, rows=rows if is_count(rows) else n, seqs=_seqs(d["seqs"], n),
                    files=refs)
 
 
@@ -124,7 +117,7 @@ def _seqs(raw: Any, num_tokens: Optional[int]) -> Tuple[SeqEntry, ...]:
         return ()
     out = []
     for s in raw:
-        if not isinstance(s, dict) or not all(_nonneg_int(s.get(k)) for k in ("len", "prefix", "offset")) \
+        if not isinstance(s, dict) or not all(is_count(s.get(k)) for k in ("len", "prefix", "offset")) \
                 or not (s.get("rid") is None or isinstance(s.get("rid"), str)):
             raise SchemaError("a seq entry is malformed")
         if num_tokens is not None and s["offset"] + s["len"] > num_tokens:
@@ -189,13 +182,13 @@ class RankMeta:
         if not isinstance(d, dict):
             raise SchemaError("not a run metadata object")
         version = d.get("schema", 1)
-        if not _nonneg_int(version) or version > SCHEMA_VERSION:
+        if not is_count(version) or version > SCHEMA_VERSION:
             raise SchemaError(f"schema {version!r}: written by a newer hs_capture (this one reads schema "
                               f"<= {SCHEMA_VERSION}); upgrade hs_capture to read it")
         layers = d.get("layers")
-        if not isinstance(layers, list) or not all(_nonneg_int(x) for x in layers):
+        if not isinstance(layers, list) or not all(is_count(x) for x in layers):
             raise SchemaError("no valid layers list")
-        if not _nonneg_int(d.get("hidden_size")) or not _nonneg_int(d.get("num_layers", 0)):
+        if not is_count(d.get("hidden_size")) or not is_count(d.get("num_layers", 0)):
             raise SchemaError("no valid hidden_size or num_layers")
         known = {f.name for f in fields(cls)} - {"extra"}
         typed = {k: v for k, v in d.items() if k in known}

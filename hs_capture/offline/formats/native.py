@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.files import atomic_write
-from hs_capture.dump.paths import NATIVE_INDEX, TEMP_MARK, TENSOR_SUFFIX
+from hs_capture.dump.paths import NATIVE_INDEX, TEMP_MARK, TENSOR_SUFFIX, inside
 from hs_capture.offline.formats.base import Cut, ListingError, Output, Problem, Row, SampleRef, TrainingFormat, \
     stored_width
 from hs_capture.offline.formats.common import aux_of, dtype_name
@@ -86,7 +86,7 @@ def read_index(root: str) -> List[SampleRef]:
     try:
         for rid, row, shard, _n in idx["samples"]:
             # a shard outside the output dir: the index would have readers open any file
-            if os.path.isabs(shard) or os.path.normpath(shard).split(os.sep)[0] == os.pardir:
+            if not inside(shard):
                 raise ValueError(f"shard path {shard!r} leaves the dataset dir")
             refs.append(SampleRef(NATIVE, os.path.join(root, shard), str(rid), int(row), str(row), hidden))
     except (ValueError, KeyError, TypeError) as e:

@@ -53,11 +53,6 @@ def save_safetensors(tensors: Dict[str, Any], path: str, metadata: Dict[str, str
                 f.write(t.view(torch.uint8).numpy().tobytes())
 
 
-def _count(x: object) -> bool:
-    """A size or offset: a non-negative int (JSON true/false are not)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
 RawEntry = Tuple[bytes, str, List[int]]  # (bytes, safetensors dtype, shape)
 
 
@@ -88,9 +83,9 @@ def read_safetensors(path: str) -> Tuple[Dict[str, RawEntry], Dict[str, str]]:
                 raise fmt.TensorInvalidInfo(f"{name}: incomplete entry") from None
             if dt not in _NAMES:
                 raise fmt.TensorInvalidInfo(f"{name}: dtype {dt} not expected here")
-            if not isinstance(shape, list) or not all(_count(x) for x in shape):
+            if not isinstance(shape, list) or not all(fmt.is_count(x) for x in shape):
                 raise fmt.TensorInvalidInfo(f"{name}: bad shape {shape!r}")
-            if not (_count(a) and _count(b)) or b - a != math.prod(shape) * fmt.ITEMSIZE[_NAMES[dt]]:
+            if not (fmt.is_count(a) and fmt.is_count(b)) or b - a != math.prod(shape) * fmt.ITEMSIZE[_NAMES[dt]]:
                 raise fmt.InvalidOffset(f"{name}: offsets [{a}, {b}) disagree with shape {shape} of {dt}")
             entries.append((a, b, name, dt, shape))
         end = 0
