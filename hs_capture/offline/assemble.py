@@ -8,14 +8,19 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.offline.inputs import Inputs
 from hs_capture.offline.planning import Piece, Plan
-from hs_capture.offline.reader import DumpError
+from hs_capture.offline.reader import DumpError, first_mismatch
+
+
+class TokensDiffer(DumpError):
+    """A sample's captured token ids are not the dataset's."""
 
 
 @dataclass
@@ -42,7 +47,8 @@ class Assembler:
         self.cache_bytes = cache_bytes
         self._cache: "OrderedDict[tuple, Dict[str, Dict[str, torch.Tensor]]]" = OrderedDict()
         self._cached = 0
-        self.bytes_read = 0
+        self.bytes_read = 0  # file bytes read
+        self.bytes_decoded = 0  # raw state bytes decoded from them
 
     def _load(self, piece: Piece) -> Dict[str, Dict[str, torch.Tensor]]:
         run = self.plan.runs[piece.run]
@@ -65,6 +71,7 @@ class Assembler:
             size += sum(t.numel() * t.element_size() for t in parts[part].values())
         self._cache[key] = parts
         self._cached += size
+        self.bytes_decoded += size
         while self._cached > self.cache_bytes and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._cached -= sum(t.numel() * t.element_size() for p in old.values() for t in p.values())
@@ -88,3 +95,18 @@ class Assembler:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
         return AssembledSample(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},
                              torch.cat(final), torch.cat(pre) if pre else None)
+
+
+def with_loss_mask(asm: Assembler, rid: str, ds: Optional[Inputs]) -> Tuple[AssembledSample, torch.Tensor]:
+    """A planned sample and its loss mask (the dataset's, else all ones): what merge writes and
+    DumpDataset hands out. DumpError: a file is gone or corrupt; TokensDiffer: its captured
+    tokens are not the dataset's."""
+    s = asm.sample(rid)
+    if ds is not None:
+        k = first_mismatch(s.input_ids.tolist(), ds.ids[rid])
+        if k is not None:
+            raise TokensDiffer(f"token ids differ from the dataset at position {k}")
+    mask = ds.masks.get(rid) if ds is not None else None
+    if mask is None:
+        return s, torch.ones(len(s.input_ids), dtype=torch.int64)
+    return s, torch.tensor(mask, dtype=torch.int64)

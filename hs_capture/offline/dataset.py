@@ -13,10 +13,7 @@ from typing import Dict, List
 import torch
 
 from hs_capture.offline.formats import FORMATS, NATIVE, SampleRef
-
-# a merged sample's fields -> the item keys (SpecForge's names, and the pre-norm state)
-_KEYS = (("aux", "aux_hidden_state"), ("final", "hidden_state"), ("input_ids", "input_ids"),
-         ("loss_mask", "loss_mask"), ("prenorm", "prenorm_hidden_state"))
+from hs_capture.offline.formats.native import ITEM_KEYS
 
 
 def _ignore(message: str, path: str) -> None:
@@ -50,4 +47,4 @@ class HsCaptureDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         s = self.format.load(self.samples[i], self._headers, as_torch=True)
         # clone: the tensors share read-only bytes, and training code may write in place
-        return {key: getattr(s, field).clone() for field, key in _KEYS if getattr(s, field) is not None}
+        return {key: getattr(s, field).clone() for field, key in ITEM_KEYS if getattr(s, field) is not None}

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hs_capture.offline.assemble import AssembledSample, Assembler
+from hs_capture.offline.assemble import AssembledSample, Assembler, TokensDiffer, with_loss_mask
 from hs_capture.offline.formats import FORMATS, Output
 from hs_capture.offline.formats.common import dtype_name
 from hs_capture.offline.heap import keep_large_buffers
@@ -17,25 +17,18 @@ from hs_capture.offline.inputs import Inputs
 from hs_capture.offline.merge_result import MergeResult
 from hs_capture.offline.planning import Plan
 from hs_capture.offline import procs
-from hs_capture.offline.reader import DumpError, first_mismatch
+from hs_capture.offline.reader import DumpError
 
 
 def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeResult):
     """The assembled sample and its loss mask, or None (recorded in res.incomplete)."""
     try:
-        s = asm.sample(rid)
+        return with_loss_mask(asm, rid, ds)
+    except TokensDiffer as e:
+        res.incomplete[rid] = str(e)
     except DumpError as e:  # a file gone or corrupt since indexing: this sample only
         res.incomplete[rid] = f"unreadable: {e}"
-        return None
-    if ds is not None:
-        want = ds.ids[rid]
-        k = first_mismatch(s.input_ids.tolist(), want)
-        if k is not None:
-            res.incomplete[rid] = f"token ids differ from the dataset at position {k}"
-            return None
-    mask = ds.masks.get(rid) if ds is not None else None
-    loss_mask = torch.tensor(mask, dtype=torch.int64) if mask is not None else torch.ones(len(s.input_ids), dtype=torch.int64)
-    return s, loss_mask
+    return None
 
 
 # What every task of a worker process shares, set once by init (the plan is large: it is

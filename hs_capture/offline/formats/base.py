@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
+from hs_capture.dump.files import atomic_file
 from hs_capture.dump.hst import TensorInvalidInfo
 from hs_capture.offline.formats.common import sample_file_stem
 from hs_capture.offline.formats.merged_sample import MergedSample
@@ -102,6 +103,12 @@ class TrainingFormat(ABC):
         alone (never by -j), so a re-run finds the same files and skips those that exist."""
 
     @abstractmethod
+    def record(self, s, loss_mask) -> Dict[str, object]:
+        """One AssembledSample with its loss mask as this format's trainer reads it: exactly the
+        tensors (names, shapes, dtypes, bytes) merge's file holds for it. merge writes it;
+        DumpDataset hands it to a trainer straight from the dump."""
+
+    @abstractmethod
     def write(self, path: str, samples: Sequence[tuple]) -> int:
         """Write one planned output atomically; samples: (row, AssembledSample, loss_mask),
         those of its rows that merge could assemble. Returns the bytes written."""
@@ -148,15 +155,16 @@ class PerSampleFormat(TrainingFormat):
         format's, else None."""
 
     @abstractmethod
-    def write_sample(self, path: str, s, loss_mask) -> int:
-        """Write one AssembledSample with its loss mask; the bytes written."""
+    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
+        """Write one sample's record (record()) to path."""
 
     def plan_outputs(self, rows: Sequence[Row], shard: Tuple[int, int], cut: Cut) -> List[Output]:
         return [Output(self.file_name(rid, row), [(row, rid)]) for row, rid in rows]
 
     def write(self, path: str, samples: Sequence[tuple]) -> int:
         ((_row, s, loss_mask),) = samples
-        return self.write_sample(path, s, loss_mask)
+        record = self.record(s, loss_mask)
+        return atomic_file(path, lambda p: self.save(p, record, s.rid))
 
     def owns(self, rel: str) -> bool:
         return "/" not in rel and self.identify(rel) is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from hs_capture.dump.files import atomic_file
 from hs_capture.offline.formats.base import PerSampleFormat, SampleRef, stored_width
 from hs_capture.offline.formats.common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
     to_numpy
@@ -24,13 +23,17 @@ class ModelOpt(PerSampleFormat):
     def identify(self, name: str):
         return stem_of(name, ".pt")
 
-    def write_sample(self, path: str, s, loss_mask) -> int:
+    def record(self, s, loss_mask) -> Dict[str, object]:
         import torch
 
-        data = {"conversation_id": s.rid, "input_ids": s.input_ids.clone(), "hidden_states": s.final.clone(),
+        return {"conversation_id": s.rid, "input_ids": s.input_ids.clone(), "hidden_states": s.final.clone(),
                 "aux_hidden_states": aux_of(s).contiguous(), "loss_mask": loss_mask.to(torch.int64),
                 "hidden_states_prenorm": False}
-        return atomic_file(path, lambda p: torch.save(data, p))
+
+    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
+        import torch
+
+        torch.save(record, path)
 
     def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
         d = load_torch_dict(ref.path)

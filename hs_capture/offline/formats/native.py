@@ -23,6 +23,20 @@ NATIVE = "hscap"
 SHARD_DIR = "shards"
 SHARD_RAW_BYTES = 1 << 30  # ~1 GB of raw states per shard (merge memory follows)
 KINDS = ("aux", "final", "input_ids", "loss_mask", "prenorm")  # the tensors of one sample
+# a sample's tensor kinds -> the keys a reader's items carry (SpecForge's names, and the pre-norm state)
+ITEM_KEYS = (("aux", "aux_hidden_state"), ("final", "hidden_state"), ("input_ids", "input_ids"),
+             ("loss_mask", "loss_mask"), ("prenorm", "prenorm_hidden_state"))
+
+
+def record(s, loss_mask) -> Dict[str, object]:
+    """One sample as HsCaptureDataset's items hold it (and a shard stores it, by kind)."""
+    import torch
+
+    rec = {"aux_hidden_state": aux_of(s).contiguous(), "hidden_state": s.final.clone(),
+           "input_ids": s.input_ids.clone(), "loss_mask": loss_mask.to(torch.int64)}
+    if s.prenorm is not None:
+        rec["prenorm_hidden_state"] = s.prenorm.clone()
+    return rec
 INDEX_FORMAT = "hscap-dataset"
 INDEX_VERSION = 1  # FORMAT.md: a reader refuses any other with one line
 
@@ -42,10 +56,8 @@ def write_shard(path: str, items, codec: str = "bytegroup", level: int = 1) -> i
 
     tensors, listing = [], []
     for row, s, mask in items:
-        tensors += [raw(f"{row}/aux", aux_of(s)), raw(f"{row}/final", s.final),
-                    raw(f"{row}/input_ids", s.input_ids), raw(f"{row}/loss_mask", mask.to(torch.int64))]
-        if s.prenorm is not None:
-            tensors.append(raw(f"{row}/prenorm", s.prenorm))
+        rec = record(s, mask)
+        tensors += [raw(f"{row}/{kind}", rec[key]) for kind, key in ITEM_KEYS if key in rec]
         listing.append([s.rid, row, len(s.input_ids)])
     chunks = fmt.encode_file(tensors, {"samples": json.dumps(listing)}, codec, level)
     return atomic_write(path, chunks, fsync=False)
@@ -123,6 +135,9 @@ class Native(TrainingFormat):
         # shards are cut from the step order by size alone (never by -j): a re-run with any -j
         # finds the same shards, and skips those that exist
         return [Output(shard_name(*shard, k), run) for k, run in enumerate(cut(rows, SHARD_RAW_BYTES))]
+
+    def record(self, s, loss_mask) -> Dict[str, object]:
+        return record(s, loss_mask)
 
     def write(self, path: str, samples: Sequence[tuple]) -> int:
         return write_shard(path, sorted(samples, key=lambda x: x[0]))

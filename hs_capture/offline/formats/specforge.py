@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from hs_capture.dump.files import atomic_file
 from hs_capture.dump.hst import TensorInvalidInfo
 from hs_capture.offline.formats.base import PerSampleFormat, SampleRef, stored_width
 from hs_capture.offline.formats.common import aux_of, check_dtypes, dtype_name, load_torch_dict, sample_file_stem, stem_of, \
@@ -29,12 +28,16 @@ class SpecForge(PerSampleFormat):
     def identify(self, name: str):
         return stem_of(name, ".ckpt")
 
-    def write_sample(self, path: str, s, loss_mask) -> int:
+    def record(self, s, loss_mask) -> Dict[str, object]:
         import torch
 
-        data = {"input_ids": s.input_ids.clone(), "loss_mask": loss_mask.to(torch.int64),
+        return {"input_ids": s.input_ids.clone(), "loss_mask": loss_mask.to(torch.int64),
                 "aux_hidden_state": aux_of(s).unsqueeze(0).contiguous(), "hidden_state": s.final.unsqueeze(0).clone()}
-        return atomic_file(path, lambda p: torch.save(data, p))
+
+    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
+        import torch
+
+        torch.save(record, path)
 
     def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
         d = load_torch_dict(ref.path)

@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hs_capture.dump import hst as fmt
-from hs_capture.dump.files import atomic_file
 from hs_capture.offline.formats.base import PerSampleFormat, SampleRef
 from hs_capture.offline.formats.merged_sample import MergedSample
 
@@ -142,12 +141,14 @@ class Speculators(PerSampleFormat):
     def identify(self, name: str):
         return _identify(name)
 
-    def write_sample(self, path: str, s, loss_mask) -> int:
+    def record(self, s, loss_mask) -> Dict[str, object]:
         import torch
 
-        hs = torch.stack([*(s.layers[k] for k in sorted(s.layers)), s.prenorm], dim=1).contiguous()
-        tensors = {"hidden_states": hs, "token_ids": s.input_ids.contiguous()}
-        return atomic_file(path, lambda p: save_safetensors(tensors, p, {"rid": s.rid}))
+        return {"hidden_states": torch.stack([*(s.layers[k] for k in sorted(s.layers)), s.prenorm], dim=1).contiguous(),
+                "token_ids": s.input_ids.contiguous()}
+
+    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
+        save_safetensors(record, path, {"rid": rid})  # the id rides in the metadata
 
     def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
         entries, meta = read_safetensors(ref.path)

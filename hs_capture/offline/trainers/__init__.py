@@ -1,0 +1,1 @@
+"""Runtime patches that let a trainer read its offline data straight from a dump (`hscap train`)."""

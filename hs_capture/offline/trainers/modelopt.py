@@ -1,0 +1,237 @@
+"""NVIDIA ModelOpt 0.47 (EAGLE-3 offline training) straight from a dump.
+
+ModelOpt trains offline with its Model-Optimizer checkout's examples/speculative_decoding/main.py
+and `data.offline_data_path=DIR`. There, `eagle_utils.make_speculative_data_module` lists DIR's
+`*.pt` files (rglob) into `OfflineSupervisedDataset`, whose `__getitem__` does
+`torch.load(self.dumped_files[i], weights_only=True)` and turns the dict into the model's inputs;
+`EagleOfflineDataCollator` pads or truncates a batch; the HF `Trainer` draws indices from
+`_get_train_sampler`. When DIR holds a dump, `instrument()` changes three points and nothing else:
+
+  the listing   `eagle_utils.make_speculative_data_module` (a post-import hook: the checkout is a
+                script directory, not a package) builds ModelOpt's own dataset and collator over
+                the dump's samples instead of globbing files (`data_module` below);
+  the load      `torch.load` given one of those samples returns `DumpDataset(keys="modelopt")[i]`,
+                exactly what torch.load of merge's .pt gives, so ModelOpt's per-item code runs on it;
+  the sampler   `transformers.Trainer._get_train_sampler` returns `DumpDataset.sampler(...)` with
+                the trainer's batch size, workers, seed and drop_last, so each step file is
+                decoded about once.
+
+Any other path, dataset or call goes to ModelOpt untouched.
+
+    hscap train modelopt --dataset data.jsonl -- main.py --config ... data.offline_data_path=/data/hs
+
+`main(argv)`: argv[0] is the checkout's main.py, the rest its own arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+NAME = "modelopt"
+SUPPORTED = ("0.47.",)  # releases whose OfflineSupervisedDataset loads one torch.load dict per item
+
+_dataset: Optional[str] = None  # the JSONL given to `hscap send` (loss masks), from instrument()
+_instrumented = False
+_patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), undone by uninstrument()
+
+
+def check() -> Optional[str]:
+    try:
+        import modelopt
+        from modelopt.torch.speculative.eagle.utils import OfflineSupervisedDataset
+        from transformers import Trainer
+    except ImportError as e:
+        return f"ModelOpt's offline EAGLE training cannot be imported: {e}"
+    version = getattr(modelopt, "__version__", "unknown")
+    if not version.startswith(SUPPORTED):
+        return (f"nvidia-modelopt {version} is not supported: the dump patch knows "
+                f"{', '.join(v + 'x' for v in SUPPORTED)} (whose OfflineSupervisedDataset torch.loads one .pt per item)")
+    if "dumped_files" not in OfflineSupervisedDataset.__init__.__code__.co_varnames:
+        return f"nvidia-modelopt {version}: OfflineSupervisedDataset takes no dumped_files list"
+    if not callable(getattr(Trainer, "_get_train_sampler", None)):
+        return "transformers' Trainer has no _get_train_sampler to hand the dump's sampler to"
+    return None
+
+
+class _Sample(NamedTuple):
+    """What OfflineSupervisedDataset holds in place of one .pt path: the patched torch.load reads it."""
+    dump: Any  # a DumpDataset(keys="modelopt")
+    index: int
+
+
+class _Samples(Sequence):
+    """OfflineSupervisedDataset's `dumped_files`: the first `n` samples of a dump, in merge's row order."""
+
+    def __init__(self, dump: Any, n: int) -> None:
+        self.dump, self.n = dump, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> _Sample:  # type: ignore[override]
+        return _Sample(self.dump, range(self.n)[i])
+
+
+def data_module(tokenizer: Any, data_args: Any, train_len: Optional[int] = None, answer_only_loss: bool = False,
+                **_ignored: Any) -> Dict[str, Any]:
+    """ModelOpt 0.47's offline branch of make_speculative_data_module with the dump's samples as
+    its file list: its own OfflineSupervisedDataset (per-item code) and EagleOfflineDataCollator."""
+    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+    from hs_capture.offline.dump_dataset import DumpDataset
+
+    if answer_only_loss and _dataset is None:
+        # without the dataset every loss_mask is all ones: answer-only would silently train on every token
+        raise ValueError("training.answer_only_loss needs the dataset's loss masks: give `hscap train --dataset JSONL`")
+    sample_size = getattr(data_args, "sample_size", -1)  # -1 or a positive count: its recipe checks
+    dump = DumpDataset(data_args.offline_data_path, _dataset, keys="modelopt")
+    if not len(dump):
+        raise ValueError(f"No whole samples in the dump {data_args.offline_data_path}")
+    n = len(dump) if sample_size < 0 else min(sample_size, len(dump))
+    return {"train_dataset": OfflineSupervisedDataset(_Samples(dump, n), answer_only_loss=answer_only_loss,
+                                                      tokenizer=tokenizer),
+            "data_collator": EagleOfflineDataCollator(train_len=train_len)}
+
+
+def _make_data_module(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    from hs_capture.dump.paths import holds_dump
+
+    data_args = kwargs["data_args"] if "data_args" in kwargs else args[1]
+    path = getattr(data_args, "offline_data_path", None)
+    if getattr(data_args, "mode", None) != "offline" or not path or not holds_dump(str(path)):
+        return wrapped(*args, **kwargs)
+    return data_module(*args, **kwargs)
+
+
+def _load(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    f = args[0] if args else kwargs.get("f")
+    if isinstance(f, _Sample):
+        return f.dump[f.index]
+    return wrapped(*args, **kwargs)
+
+
+class _Interleaved:
+    """Several ranks' samplers as the one index stream accelerate shards: with N processes it
+    gives process p the batches p, p+N, p+2N, ... (BatchSamplerShard), so batch k of rank r goes
+    at place k*N + r. A rank's short last batch is filled from its own start (accelerate's
+    even_batches does the same) so batches stay aligned."""
+
+    def __init__(self, samplers: List[Any], batch_size: int) -> None:
+        self.samplers, self.batch_size = samplers, batch_size
+
+    def _batches(self, sampler: Any) -> List[List[int]]:
+        order = list(sampler)
+        out = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if out and len(out[-1]) < self.batch_size:
+            out[-1] = (out[-1] + order * self.batch_size)[:self.batch_size]
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        for batch_round in zip(*(self._batches(s) for s in self.samplers)):
+            for batch in batch_round:
+                yield from batch
+
+    def __len__(self) -> int:
+        return min(-(-len(s) // self.batch_size) for s in self.samplers) * self.batch_size * len(self.samplers)
+
+    def set_epoch(self, epoch: int) -> None:
+        for s in self.samplers:
+            s.set_epoch(epoch)
+
+
+class _Subset:
+    """A sampler over the first n rows of a dump (sample_size): the dump's sampler, rows past n left out."""
+
+    def __init__(self, sampler: Any, n: int) -> None:
+        self.sampler, self.n = sampler, n
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i in self.sampler if i < self.n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def _train_sampler(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+    dataset = (args[0] if args else kwargs.get("train_dataset")) or instance.train_dataset
+    files = getattr(dataset, "dumped_files", None)
+    if not isinstance(files, _Samples):
+        return wrapped(*args, **kwargs)
+    a = instance.args
+    seed = a.data_seed if a.data_seed is not None else a.seed
+    shuffle = getattr(a, "train_sampling_strategy", "random") != "sequential"
+    world, rank = instance.accelerator.num_processes, instance.accelerator.process_index
+
+    def sampler(r: int) -> Any:
+        s = files.dump.sampler(batch_size=instance._train_batch_size, num_workers=a.dataloader_num_workers,
+                               shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last, rank=r,
+                               world_size=world)
+        return s if files.n == len(files.dump) else _Subset(s, files.n)
+
+    if world == 1:
+        return sampler(rank)
+    return _Interleaved([sampler(r) for r in range(world)], instance._train_batch_size)
+
+
+def _wrap(owner: Any, attr: str, wrapper: Callable) -> None:
+    import wrapt
+
+    if any(o is owner and a == attr for o, a, _ in _patches):
+        return
+    original = getattr(owner, attr)
+    setattr(owner, attr, wrapt.FunctionWrapper(original, wrapper))
+    _patches.append((owner, attr, original))
+
+
+def _on_eagle_utils(module: Any) -> None:
+    # ModelOpt's checkout, imported as a top-level module by main.py (which then binds the name)
+    if _instrumented and callable(getattr(module, "make_speculative_data_module", None)):
+        _wrap(module, "make_speculative_data_module", _make_data_module)
+
+
+def _on_trainer(module: Any) -> None:
+    if _instrumented:
+        _wrap(module.Trainer, "_get_train_sampler", _train_sampler)
+
+
+def instrument(dataset: Optional[str]) -> None:
+    import torch
+    import wrapt
+
+    global _dataset, _instrumented
+    _dataset = dataset
+    if _instrumented:
+        return
+    _instrumented = True
+    _wrap(torch, "load", _load)
+    wrapt.register_post_import_hook(_on_eagle_utils, "eagle_utils")
+    wrapt.register_post_import_hook(_on_trainer, "transformers.trainer")
+
+
+def uninstrument() -> None:
+    global _dataset, _instrumented
+    for owner, attr, original in reversed(_patches):
+        setattr(owner, attr, original)
+    _patches.clear()
+    _dataset, _instrumented = None, False  # hooks still pending on an import do nothing now
+
+
+def main(argv: List[str]) -> None:
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit(f"hscap train {NAME}: the first argument after -- is ModelOpt's main.py "
+                         "(examples/speculative_decoding/main.py of a Model-Optimizer checkout)")
+    script = os.path.abspath(argv[0])
+    saved = sys.argv, list(sys.path)
+    # as `python main.py ...` would: it imports eagle_utils and scripts/ from beside itself
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved
