@@ -1,0 +1,239 @@
+"""Train straight from a dump: torch datasets whose items are exactly what `hscap merge` would
+write for each sample (the format's record()), decoded on the fly, so the disk holds the
+dump alone and no merge pass runs first.
+
+    DumpDataset(dumps, dataset=None, keys="hscap")               random access (map-style)
+    DumpDataset(dumps, dataset=None, keys="hscap", follow=True)  live: follows a run as the
+                                                                 server writes it (iterable)
+
+Whole samples only, by the one completeness rule (planning.plan for a finished dump,
+follow.Follower for a live one). keys: whose items ("specforge", "modelopt", "speculators",
+"hscap": HsCaptureDataset's). A step file holds many samples: read the map-style dataset
+through `ds.sampler(...)` (step_sampler.py) to decode each about once per epoch.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from hs_capture.offline.assemble import Assembler, TokensDiffer, with_loss_mask
+from hs_capture.offline.follow import Follower, Whole
+from hs_capture.offline.formats import FORMATS, NAMES, TrainingFormat
+from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
+from hs_capture.offline.planning import Plan, plan
+from hs_capture.offline.reader import DumpError
+from hs_capture.offline.step_sampler import StepWindowSampler, rank_world
+
+Dumps = Union[str, Sequence[str]]
+WINDOW_BYTES = 512 << 20  # decoded states per shuffle window (a worker caches about this much)
+STATE_VERSION = 1
+
+
+def _format(keys: str) -> TrainingFormat:
+    if keys not in FORMATS:
+        raise ValueError(f"keys={keys!r}: choose from {NAMES}")
+    return FORMATS[keys]
+
+
+def _inputs(dataset: Optional[str]) -> Optional[Inputs]:
+    if dataset is None:
+        return None
+    try:
+        return load_inputs(dataset)
+    except BadLine as e:
+        raise DumpError(str(e)) from None
+    except OSError as e:
+        raise DumpError(f"{dataset}: {e.strerror or e}") from None
+
+
+def _check(f: TrainingFormat, prenorm: bool, layers: List[int]) -> None:
+    problem = f.problem(prenorm, layers)
+    if problem:
+        raise DumpError(problem)
+
+
+def _item(f: TrainingFormat, asm: Assembler, rid: str, inputs: Optional[Inputs]) -> Dict[str, object]:
+    try:
+        s, mask = with_loss_mask(asm, rid, inputs)
+    except TokensDiffer as e:
+        raise DumpError(f"sample {rid!r}: {e} (is this the dataset the dump was captured from?)") from None
+    except DumpError as e:
+        raise DumpError(f"sample {rid!r}: {e} (hscap verify names every damaged sample)") from None
+    return f.record(s, mask)
+
+
+class DumpDataset(torch.utils.data.Dataset):
+    """A finished dump (or several), random access; follow=True gives the live, iterable
+    FollowingDumpDataset instead. DumpError: the dump or dataset cannot be used (one line)."""
+
+    def __new__(cls, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False, **kw):
+        if follow and cls is DumpDataset:
+            return FollowingDumpDataset(dumps, dataset, keys, **kw)
+        return super().__new__(cls)
+
+    def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False,
+                 window_bytes: int = WINDOW_BYTES) -> None:
+        self.format = _format(keys)
+        self.keys = keys
+        self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
+        self.inputs = _inputs(dataset)
+        lengths = {k: len(v) for k, v in self.inputs.ids.items()} if self.inputs else None
+        self.plan: Plan = plan(self.dumps, lengths)
+        _check(self.format, self.plan.prenorm, self.plan.layers)
+        # merge's rows: the dataset's order, else rid order, incomplete samples included
+        order = self.inputs.order if self.inputs else sorted(set(self.plan.samples) | set(self.plan.incomplete))
+        self._rows = {rid: row for row, rid in enumerate(order)}
+        self.rids: List[str] = [rid for rid in order if rid in self.plan.samples]
+        self.incomplete: Dict[str, str] = dict(self.plan.incomplete)  # rid -> why it is left out
+        self.windows = self._windows(window_bytes)
+        largest = max((self._step_bytes(k) for k in self._steps), default=0)
+        self.cache_bytes = window_bytes + 3 * largest  # a window, and the steps at its edges
+        self._asm: Optional[Assembler] = None
+
+    # ------------------------------------------------------------ the order
+    def _token_bytes(self) -> int:
+        return self.plan.hidden_size * (len(self.plan.layers) + 1 + self.plan.prenorm) * 2  # bf16, as servers store
+
+    def _step_bytes(self, key) -> int:
+        return self._steps[key] * self._token_bytes()
+
+    def _windows(self, window_bytes: int) -> List[List[int]]:
+        """Indices grouped by the step that ends them, steps in dump order, cut into windows of
+        about window_bytes of decoded states."""
+        self._steps: Dict[tuple, int] = {}  # step -> tokens of this dataset in it
+        ends: Dict[tuple, List[int]] = {}
+        for i, rid in enumerate(self.rids):
+            pieces = self.plan.samples[rid]
+            for p in pieces:
+                self._steps[(p.run, p.rank, p.step)] = self._steps.get((p.run, p.rank, p.step), 0) + p.length
+            p = pieces[-1]
+            ends.setdefault((p.run, p.rank, p.step), []).append(i)
+        windows: List[List[int]] = [[]]
+        have = 0
+        for key in sorted(ends):
+            if windows[-1] and have >= window_bytes:
+                windows.append([])
+                have = 0
+            windows[-1] += ends[key]
+            have += self._step_bytes(key)
+        return [w for w in windows if w]
+
+    def sampler(self, batch_size: int = 1, num_workers: int = 0, shuffle: bool = True, seed: int = 0,
+                drop_last: bool = False, rank: Optional[int] = None,
+                world_size: Optional[int] = None) -> StepWindowSampler:
+        """The order to read this dataset in (step_sampler.py); batch_size and num_workers must
+        be the DataLoader's; rank and world_size default to torch.distributed's."""
+        return StepWindowSampler(self.windows, batch_size, num_workers, shuffle, seed, drop_last, rank, world_size)
+
+    # ------------------------------------------------------------ the items
+    def __len__(self) -> int:
+        return len(self.rids)
+
+    def row_of(self, rid: str) -> int:
+        """The row merge gives this sample (its place in the dataset, else in rid order)."""
+        return self._rows[rid]
+
+    def __getitem__(self, i: int) -> Dict[str, object]:
+        if self._asm is None:  # made in the process that reads (a DataLoader worker has its own)
+            self._asm = Assembler(self.plan, self.cache_bytes)
+        return _item(self.format, self._asm, self.rids[i], self.inputs)
+
+    def by_id(self, rid: str) -> Dict[str, object]:
+        return self[self.rids.index(rid)]
+
+    @property
+    def bytes_decoded(self) -> int:
+        """Raw state bytes this process decoded so far."""
+        return self._asm.bytes_decoded if self._asm is not None else 0
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_asm"] = None  # a worker decodes into its own cache
+        return state
+
+
+class FollowingDumpDataset(torch.utils.data.IterableDataset):
+    """A run followed while the server writes it (follow.py): each whole sample once, as soon
+    as it is whole; the dump dir need not exist yet. Ends when every run found has closed (or
+    after `idle_timeout_s` without a new sample, or on stop()). Under DataLoader workers and
+    torch.distributed each sample goes to one reader, by the step that ends it (each step
+    decoded about once). state_dict()/load_state_dict(): the samples handed out, so a
+    restarted trainer neither repeats nor skips one (torchdata's StatefulDataLoader calls
+    them in each worker)."""
+
+    def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap",
+                 poll_s: float = 0.5, idle_timeout_s: Optional[float] = None, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, cache_bytes: int = 2 * WINDOW_BYTES) -> None:
+        self.format = _format(keys)
+        self.keys = keys
+        self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
+        self.inputs = _inputs(dataset)
+        self.poll_s, self.idle_timeout_s = poll_s, idle_timeout_s
+        self.rank, self.world_size = rank, world_size
+        self.cache_bytes = cache_bytes
+        self._yielded: List[str] = []
+        self._skip: set = set()
+        self._stop = False
+        self.bytes_decoded = 0
+
+    def stop(self) -> None:
+        """End the iteration after the sample being handed out (same process)."""
+        self._stop = True
+
+    def state_dict(self) -> Dict[str, object]:
+        return {"version": STATE_VERSION, "yielded": sorted(self._skip | set(self._yielded))}
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"a follow state of version {state.get('version')!r}: this hs_capture reads "
+                             f"{STATE_VERSION}")
+        self._skip = set(state["yielded"])
+        self._yielded = []
+
+    def _share(self):
+        """(this reader's number, readers): DataLoader workers within torch.distributed ranks."""
+        rank, world = rank_world(self.rank, self.world_size)
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        return rank * workers + worker, world * workers
+
+    def __iter__(self) -> Iterator[Dict[str, object]]:
+        me, readers = self._share()
+        lengths = {k: len(v) for k, v in self.inputs.ids.items()} if self.inputs else None
+        follower = Follower(self.dumps, lengths, skip=self._skip)
+        p: Optional[Plan] = None
+        asm: Optional[Assembler] = None
+        idle_since = time.monotonic()
+        closed = False
+        self._stop = False
+        while not self._stop:
+            ready = follower.poll()
+            if p is None and follower.runs and follower.layers:
+                _check(self.format, follower.prenorm, follower.layers)
+                p = Plan(follower.runs, follower.layers, follower.hidden_size, follower.prenorm)
+                asm = Assembler(p, self.cache_bytes)
+            for w in ready:
+                if zlib.crc32(f"{follower.runs[w.end[0]].path}|{w.end[1]}|{w.end[2]}".encode()) % readers != me:
+                    continue
+                p.samples[w.rid] = w.pieces
+                before = asm.bytes_decoded
+                item = _item(self.format, asm, w.rid, self.inputs)
+                del p.samples[w.rid]
+                self.bytes_decoded += asm.bytes_decoded - before
+                self._yielded.append(w.rid)  # in the state before the item is handed out
+                yield item
+                if self._stop:
+                    return
+            if ready:
+                idle_since = time.monotonic()
+            if closed:
+                return  # the poll after the close took the last lines
+            closed = follower.close_check()
+            if not closed:
+                if self.idle_timeout_s is not None and time.monotonic() - idle_since > self.idle_timeout_s:
+                    return
+                time.sleep(self.poll_s)
