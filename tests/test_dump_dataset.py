@@ -173,12 +173,18 @@ def test_ranks_share_every_sample_in_equal_contiguous_runs_and_epochs_reshuffle(
         assert len(list(sampler)) == len(sampler) == len(shares[1])
 
 
-def test_each_window_is_read_together():
-    windows = _windows(random.Random(2), 8)
-    order = epoch_order(windows, 3, 1, True)
+def test_each_window_is_read_together_and_runs_of_windows_in_dump_order():
+    windows = _windows(random.Random(2), 20)
+    order = epoch_order(windows, 3, 1, True, run=4)
+    starts = []
     for w in windows:
         pos = sorted(order.index(i) for i in w)
         assert pos == list(range(pos[0], pos[0] + len(w)))
+        starts.append(pos[0])
+    for k in range(0, 20, 4):  # a run's windows follow each other
+        run = starts[k:k + 4]
+        assert run == sorted(run) and all(starts[k + j + 1] == starts[k + j] + len(windows[k + j]) for j in range(3))
+    assert starts != sorted(starts)  # and the runs are shuffled
 
 
 # ------------------------------------------------------------------ live

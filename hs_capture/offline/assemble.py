@@ -93,8 +93,10 @@ class Assembler:
                     pre.append(parts[PRENORM]["hidden"][rows])
             except KeyError as e:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
-        return AssembledSample(rid, torch.cat(ids).to(torch.int64), {k: torch.cat(v) for k, v in layers.items()},
-                             torch.cat(final), torch.cat(pre) if pre else None)
+        # one piece: views of the decoded step (a format's record() copies what it keeps)
+        cat = (lambda ts: ts[0]) if len(pieces) == 1 else torch.cat
+        return AssembledSample(rid, cat(ids).to(torch.int64), {k: cat(v) for k, v in layers.items()},
+                             cat(final), cat(pre) if pre else None)
 
 
 def with_loss_mask(asm: Assembler, rid: str, ds: Optional[Inputs]) -> Tuple[AssembledSample, torch.Tensor]:

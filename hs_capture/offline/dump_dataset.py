@@ -26,10 +26,10 @@ from hs_capture.offline.formats import FORMATS, NAMES, TrainingFormat
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
 from hs_capture.offline.planning import Plan, plan
 from hs_capture.offline.reader import DumpError
-from hs_capture.offline.step_sampler import StepWindowSampler, rank_world
+from hs_capture.offline.step_sampler import RUN, StepWindowSampler, rank_world
 
 Dumps = Union[str, Sequence[str]]
-WINDOW_BYTES = 512 << 20  # decoded states per shuffle window (a worker caches about this much)
+WINDOW_BYTES = 256 << 20  # decoded states per shuffle window (a worker caches it and the step before)
 STATE_VERSION = 1
 
 
@@ -91,7 +91,7 @@ class DumpDataset(torch.utils.data.Dataset):
         self.incomplete: Dict[str, str] = dict(self.plan.incomplete)  # rid -> why it is left out
         self.windows = self._windows(window_bytes)
         largest = max((self._step_bytes(k) for k in self._steps), default=0)
-        self.cache_bytes = window_bytes + 3 * largest  # a window, and the steps at its edges
+        self.cache_bytes = window_bytes + 2 * largest  # a window, and the steps at its edges
         self._asm: Optional[Assembler] = None
 
     # ------------------------------------------------------------ the order
@@ -123,11 +123,12 @@ class DumpDataset(torch.utils.data.Dataset):
         return [w for w in windows if w]
 
     def sampler(self, batch_size: int = 1, num_workers: int = 0, shuffle: bool = True, seed: int = 0,
-                drop_last: bool = False, rank: Optional[int] = None,
-                world_size: Optional[int] = None) -> StepWindowSampler:
+                drop_last: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None,
+                run: int = RUN) -> StepWindowSampler:
         """The order to read this dataset in (step_sampler.py); batch_size and num_workers must
         be the DataLoader's; rank and world_size default to torch.distributed's."""
-        return StepWindowSampler(self.windows, batch_size, num_workers, shuffle, seed, drop_last, rank, world_size)
+        return StepWindowSampler(self.windows, batch_size, num_workers, shuffle, seed, drop_last, rank, world_size,
+                                 run)
 
     # ------------------------------------------------------------ the items
     def __len__(self) -> int:

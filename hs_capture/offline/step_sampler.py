@@ -2,12 +2,15 @@
 
 A step holds many samples (8192 tokens of a dozen requests), so a uniform shuffle decodes
 each step once per sample it holds. Samples are grouped into windows of consecutive steps
-(by the step that ends them, as merge walks them); an epoch shuffles the windows and the
-samples within each, seeded by (seed, epoch). Under torch.distributed each rank takes a
-contiguous run of windows (equal counts, padded by wrapping around as DistributedSampler
-does); under DataLoader workers, which take batches round-robin, the batches are
-interleaved so each worker reads a contiguous run of windows, and its decode cache serves
-every sample of a window.
+(by the step that ends them, as merge walks them). A sample that starts in the step before
+its window needs that step decoded too, unless the window before it was just read: so the
+windows are read in runs of `run` consecutive windows, the runs in shuffled order and the
+samples within each window shuffled, seeded by (seed, epoch). Each run then decodes one step
+more than it holds: about 1 + 1/(run x steps per window) of the dump per epoch.
+Under torch.distributed each rank takes a contiguous part of that order (equal counts,
+padded by wrapping around as DistributedSampler does); under DataLoader workers, which take
+batches round-robin, the batches are interleaved so each worker reads a contiguous part, and
+its decode cache serves every sample of a window.
 """
 
 from __future__ import annotations
@@ -27,14 +30,18 @@ def rank_world(rank: Optional[int], world_size: Optional[int]):
     return 0, 1
 
 
-def epoch_order(windows: Sequence[Sequence[int]], epoch: int, seed: int, shuffle: bool) -> List[int]:
-    """Every index once: windows shuffled, and the samples within each."""
+RUN = 8  # windows read in dump order before the next jump
+
+
+def epoch_order(windows: Sequence[Sequence[int]], epoch: int, seed: int, shuffle: bool, run: int = RUN) -> List[int]:
+    """Every index once: runs of `run` consecutive windows in shuffled order, the samples
+    within each window shuffled."""
     rng = random.Random(f"{seed}:{epoch}")
-    order = list(range(len(windows)))
+    runs = [list(range(k, min(k + run, len(windows)))) for k in range(0, len(windows), run)]
     if shuffle:
-        rng.shuffle(order)
+        rng.shuffle(runs)
     out: List[int] = []
-    for w in order:
+    for w in (w for r in runs for w in r):
         members = list(windows[w])
         if shuffle:
             rng.shuffle(members)
@@ -90,7 +97,7 @@ class StepWindowSampler(torch.utils.data.Sampler):
 
     def __init__(self, windows: Sequence[Sequence[int]], batch_size: int = 1, num_workers: int = 0,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False, rank: Optional[int] = None,
-                 world_size: Optional[int] = None) -> None:
+                 world_size: Optional[int] = None, run: int = RUN) -> None:
         if batch_size < 1 or num_workers < 0:
             raise ValueError(f"batch_size {batch_size} / num_workers {num_workers}: need >= 1 / >= 0")
         self.windows = [list(w) for w in windows]
@@ -99,13 +106,14 @@ class StepWindowSampler(torch.utils.data.Sampler):
         self.rank, self.world_size = rank_world(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} of {self.world_size}")
+        self.run = run
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def indices(self) -> List[int]:
-        order = epoch_order(self.windows, self.epoch, self.seed, self.shuffle)
+        order = epoch_order(self.windows, self.epoch, self.seed, self.shuffle, self.run)
         share = rank_share(order, self.rank, self.world_size, self.drop_last)
         return worker_interleave(share, self.batch_size, self.num_workers, self.drop_last)
 

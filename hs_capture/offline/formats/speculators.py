@@ -145,7 +145,7 @@ class Speculators(PerSampleFormat):
         import torch
 
         return {"hidden_states": torch.stack([*(s.layers[k] for k in sorted(s.layers)), s.prenorm], dim=1).contiguous(),
-                "token_ids": s.input_ids.contiguous()}
+                "token_ids": s.input_ids.clone()}
 
     def save(self, path: str, record: Dict[str, object], rid: str) -> None:
         save_safetensors(record, path, {"rid": rid})  # the id rides in the metadata
