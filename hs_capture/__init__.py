@@ -7,9 +7,9 @@
     sitecustomize/  the hook's entry point on PYTHONPATH
 """
 
-__version__ = "0.2.0"
+from hs_capture.version import __version__
 
-__all__ = ["DumpDataset", "HsCaptureDataset"]
+__all__ = ["DumpDataset", "HsCaptureDataset", "__version__"]
 
 
 def __getattr__(name: str):

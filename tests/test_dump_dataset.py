@@ -66,6 +66,16 @@ def test_every_item_is_what_merge_writes_for_that_sample(served_dump, tmp_path, 
         _same(got, want, rid)
 
 
+def test_it_pickles_into_spawned_workers(served_dump):
+    ds = DumpDataset(served_dump["dir"], served_dump["data"], keys="modelopt")
+    ds[0]  # a decode cache of its own: not carried into the copy
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn",
+                                         sampler=ds.sampler(num_workers=1, shuffle=False))
+    got = {x["conversation_id"]: x for x in loader}
+    assert sorted(got) == sorted(ds.rids)
+    _same(got[ds.rids[3]], ds[3], ds.rids[3])
+
+
 def test_without_a_dataset_it_takes_what_merge_takes(served_dump):
     ds = DumpDataset(served_dump["dir"], keys="hscap")
     assert sorted(ds.rids) == sorted(r["id"] for r in served_dump["rows"]) and ds.rids == sorted(ds.rids)

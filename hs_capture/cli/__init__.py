@@ -12,6 +12,7 @@ from hs_capture.cli.merge_cmd import merge_cmd
 from hs_capture.cli.send_cmd import send
 from hs_capture.cli.verify_cmd import verify_cmd
 from hs_capture.cli.serve_cmd import pythonpath, serve
+from hs_capture.cli.train_cmd import train_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,3 +25,4 @@ for command in (pythonpath, serve, send, ls, doctor):
     main.add_command(command)
 main.add_command(merge_cmd, name="merge")
 main.add_command(verify_cmd, name="verify")
+main.add_command(train_cmd, name="train")

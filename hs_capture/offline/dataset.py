@@ -12,8 +12,7 @@ from typing import Dict, List
 
 import torch
 
-from hs_capture.offline.formats import FORMATS, NATIVE, SampleRef
-from hs_capture.offline.formats.native import ITEM_KEYS
+from hs_capture.offline.formats import FORMATS, NATIVE, NATIVE_ITEM_KEYS, SampleRef
 
 
 def _ignore(message: str, path: str) -> None:
@@ -47,4 +46,4 @@ class HsCaptureDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
         s = self.format.load(self.samples[i], self._headers, as_torch=True)
         # clone: the tensors share read-only bytes, and training code may write in place
-        return {key: getattr(s, field).clone() for field, key in ITEM_KEYS if getattr(s, field) is not None}
+        return {key: getattr(s, field).clone() for field, key in NATIVE_ITEM_KEYS if getattr(s, field) is not None}

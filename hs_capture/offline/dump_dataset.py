@@ -151,6 +151,9 @@ class DumpDataset(torch.utils.data.Dataset):
         """Raw state bytes this process decoded so far."""
         return self._asm.bytes_decoded if self._asm is not None else 0
 
+    def __getnewargs__(self):  # unpickling (spawned DataLoader workers) calls __new__ with these
+        return (self.dumps,)
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_asm"] = None  # a worker decodes into its own cache

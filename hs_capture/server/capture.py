@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hs_capture import __version__
+from hs_capture.version import __version__
 
 from hs_capture.server import config as config_mod
 from hs_capture.server.config import CaptureConfig, ConfigError

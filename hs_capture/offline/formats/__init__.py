@@ -16,5 +16,6 @@ FORMATS: Dict[str, TrainingFormat] = {f.name: f for f in (specforge.FORMAT, mode
                                                            native.FORMAT)}
 NAMES: List[str] = sorted(FORMATS)
 NATIVE = native.NATIVE  # the name of hs_capture's own format (what HsCaptureDataset reads)
+NATIVE_ITEM_KEYS = native.ITEM_KEYS  # its tensor kinds -> the keys HsCaptureDataset's items carry
 
-__all__ = ["FORMATS", "NAMES", "NATIVE", "ListingError", "MergedSample", "Output", "SampleRef", "TrainingFormat"]
+__all__ = ["FORMATS", "NAMES", "NATIVE", "NATIVE_ITEM_KEYS", "ListingError", "MergedSample", "Output", "SampleRef", "TrainingFormat"]
