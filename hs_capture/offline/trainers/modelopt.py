@@ -14,7 +14,7 @@ and `data.offline_data_path=DIR`. There, `eagle_utils.make_speculative_data_modu
                 exactly what torch.load of merge's .pt gives, so ModelOpt's per-item code runs on it;
   the sampler   `transformers.Trainer._get_train_sampler` returns `DumpDataset.sampler(...)` with
                 the trainer's batch size, workers, seed and drop_last, so each step file is
-                decoded about once.
+                decoded about once (several processes: see _Interleaved).
 
 Any other path, dataset or call goes to ModelOpt untouched.
 
@@ -28,7 +28,12 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+
+from hs_capture.dump.paths import holds_dump
+from hs_capture.offline.dump_dataset import DumpDataset
+from hs_capture.offline.step_sampler import StepWindowSampler
 
 NAME = "modelopt"
 SUPPORTED = ("0.47.",)  # releases whose OfflineSupervisedDataset loads one torch.load dict per item
@@ -74,14 +79,20 @@ class _Samples(Sequence):
     def __getitem__(self, i: int) -> _Sample:  # type: ignore[override]
         return _Sample(self.dump, range(self.n)[i])
 
+    def sampler(self, **kw: Any) -> Any:
+        """The dump's own sampler (DumpDataset.sampler), over the first n samples (data.sample_size)."""
+        if self.n == len(self.dump):
+            return self.dump.sampler(**kw)
+        windows = [[i for i in w if i < self.n] for w in self.dump.windows]
+        return StepWindowSampler([w for w in windows if w], **kw)
+
 
 def data_module(tokenizer: Any, data_args: Any, train_len: Optional[int] = None, answer_only_loss: bool = False,
-                **_ignored: Any) -> Dict[str, Any]:
-    """ModelOpt 0.47's offline branch of make_speculative_data_module with the dump's samples as
-    its file list: its own OfflineSupervisedDataset (per-item code) and EagleOfflineDataCollator."""
+                shift_labels: bool = True) -> Dict[str, Any]:
+    """ModelOpt 0.47's offline branch of make_speculative_data_module (same arguments; that branch
+    ignores shift_labels too) with the dump's samples as its file list: its own
+    OfflineSupervisedDataset (per-item code) and EagleOfflineDataCollator."""
     from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
-
-    from hs_capture.offline.dump_dataset import DumpDataset
 
     if answer_only_loss and _dataset is None:
         # without the dataset every loss_mask is all ones: answer-only would silently train on every token
@@ -96,10 +107,12 @@ def data_module(tokenizer: Any, data_args: Any, train_len: Optional[int] = None,
             "data_collator": EagleOfflineDataCollator(train_len=train_len)}
 
 
-def _make_data_module(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    from hs_capture.dump.paths import holds_dump
+def _data_args(tokenizer: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
+    return data_args
 
-    data_args = kwargs["data_args"] if "data_args" in kwargs else args[1]
+
+def _make_data_module(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    data_args = _data_args(*args, **kwargs)
     path = getattr(data_args, "offline_data_path", None)
     if getattr(data_args, "mode", None) != "offline" or not path or not holds_dump(str(path)):
         return wrapped(*args, **kwargs)
@@ -114,19 +127,24 @@ def _load(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class _Interleaved:
-    """Several ranks' samplers as the one index stream accelerate shards: with N processes it
-    gives process p the batches p, p+N, p+2N, ... (BatchSamplerShard), so batch k of rank r goes
-    at place k*N + r. A rank's short last batch is filled from its own start (accelerate's
-    even_batches does the same) so batches stay aligned."""
+    """Every rank's sampler as the one index stream accelerate shards. With N processes it hands
+    process p the batches p, p+N, p+2N, ... of that stream (BatchSamplerShard), so batch k of
+    rank r goes at place k*N + r and each process reads exactly its own sampler's batches, in
+    the order its DataLoader workers were planned for. The ranks' shares are equally long; their
+    short last batches are dropped (drop_last) or filled from the share's start (as accelerate's
+    even_batches does) so the batches stay aligned."""
 
-    def __init__(self, samplers: List[Any], batch_size: int) -> None:
-        self.samplers, self.batch_size = samplers, batch_size
+    def __init__(self, samplers: List[Any], batch_size: int, drop_last: bool) -> None:
+        self.samplers, self.batch_size, self.drop_last = samplers, batch_size, drop_last
 
     def _batches(self, sampler: Any) -> List[List[int]]:
         order = list(sampler)
         out = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if out and len(out[-1]) < self.batch_size:
-            out[-1] = (out[-1] + order * self.batch_size)[:self.batch_size]
+            if self.drop_last:
+                out.pop()
+            else:
+                out[-1] = (out[-1] + order * self.batch_size)[:self.batch_size]
         return out
 
     def __iter__(self) -> Iterator[int]:
@@ -135,27 +153,13 @@ class _Interleaved:
                 yield from batch
 
     def __len__(self) -> int:
-        return min(-(-len(s) // self.batch_size) for s in self.samplers) * self.batch_size * len(self.samplers)
+        n = len(self.samplers[0])
+        per = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return per * self.batch_size * len(self.samplers)
 
     def set_epoch(self, epoch: int) -> None:
         for s in self.samplers:
             s.set_epoch(epoch)
-
-
-class _Subset:
-    """A sampler over the first n rows of a dump (sample_size): the dump's sampler, rows past n left out."""
-
-    def __init__(self, sampler: Any, n: int) -> None:
-        self.sampler, self.n = sampler, n
-
-    def __iter__(self) -> Iterator[int]:
-        return (i for i in self.sampler if i < self.n)
-
-    def __len__(self) -> int:
-        return self.n
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
 
 
 def _train_sampler(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -164,19 +168,16 @@ def _train_sampler(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
     if not isinstance(files, _Samples):
         return wrapped(*args, **kwargs)
     a = instance.args
-    seed = a.data_seed if a.data_seed is not None else a.seed
-    shuffle = getattr(a, "train_sampling_strategy", "random") != "sequential"
-    world, rank = instance.accelerator.num_processes, instance.accelerator.process_index
-
-    def sampler(r: int) -> Any:
-        s = files.dump.sampler(batch_size=instance._train_batch_size, num_workers=a.dataloader_num_workers,
-                               shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last, rank=r,
-                               world_size=world)
-        return s if files.n == len(files.dump) else _Subset(s, files.n)
-
+    kw = dict(batch_size=instance._train_batch_size, num_workers=a.dataloader_num_workers,
+              shuffle=getattr(a, "train_sampling_strategy", "random") != "sequential",
+              seed=a.data_seed if a.data_seed is not None else a.seed, drop_last=a.dataloader_drop_last)
+    # accelerate, not torch.distributed, says how many processes share the data (and it shards the
+    # sampler the Trainer gives it)
+    world = instance.accelerator.num_processes
     if world == 1:
-        return sampler(rank)
-    return _Interleaved([sampler(r) for r in range(world)], instance._train_batch_size)
+        return files.sampler(rank=0, world_size=1, **kw)
+    return _Interleaved([files.sampler(rank=r, world_size=world, **kw) for r in range(world)],
+                        instance._train_batch_size, a.dataloader_drop_last)
 
 
 def _wrap(owner: Any, attr: str, wrapper: Callable) -> None:
