@@ -10,6 +10,9 @@
 #            unpacks chunk 1 (.gpu-bundle/b1), waits up to 5 min for staging, runs server.py
 # The offline benchmarks (no sglang) need only hs_capture's own wheels (.gpu-bundle/b3):
 #   bash benchmarks/gpu/device.sh offline python3 benchmarks/...
+# The trainers (SpecForge, speculators) also need their wheels (.gpu-bundle/b4, bin/gpu_bundle.sh):
+# pip installs, without deps or an index, each wheel whose distribution the machine lacks
+#   bash benchmarks/gpu/device.sh trainers python3 benchmarks/gpu/train_from_dump.py ...
 set -euo pipefail
 ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
@@ -54,7 +57,24 @@ offline)
   export PYTHONPATH="$ROOT/offline:$PWD" PYTHONUNBUFFERED=1
   "$@"
   ;;
+trainers)
+  python3 - .gpu-bundle/b3/*.whl .gpu-bundle/b4/*.whl <<'PY'
+import importlib.metadata as md, os, subprocess, sys
+missing = []
+for w in sys.argv[1:]:
+    dist = os.path.basename(w).split("-")[0]
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        missing.append(w)
+print("installing", len(missing), "wheels:", " ".join(os.path.basename(w).split("-")[0] for w in missing))
+if missing:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *missing], check=True)
+PY
+  export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+  "$@"
+  ;;
 *)
-  echo "usage: $0 stage | run [server.py options] | offline COMMAND..." >&2; exit 2
+  echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND..." >&2; exit 2
   ;;
 esac
