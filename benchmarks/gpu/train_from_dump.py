@@ -48,6 +48,17 @@ def specforge(fx: str, work: str, steps: int) -> dict:
     merge = _run("merge specforge", [*HSCAP, "merge", os.path.join(fx, "dump"), "-o", sf, "--format", "specforge",
                                      "--dataset", os.path.join(fx, "data.jsonl")], os.path.join(work, "merge-sf.log"))
 
+    # a one-layer draft the size of the tiny target, its vocabulary smaller than the target's (the
+    # map is counted from the data); the ids SGLang serves layers 2,3,5 on (merge's trainer_settings)
+    draft = os.path.join(work, "draft.json")
+    with open(draft, "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 256,
+                   "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
+                   "num_hidden_layers": 1, "vocab_size": 1024, "draft_vocab_size": 512,
+                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu", "pad_token_id": 0,
+                   "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}}, f)
+
     def config(data: str, tag: str) -> str:
         path = os.path.join(work, f"sf-{tag}.yaml")
         with open(path, "w") as f:
@@ -55,6 +66,7 @@ def specforge(fx: str, work: str, steps: int) -> dict:
   target_model_path: {fx}/model
   aux_hidden_state_layer_ids: [1, 2, 4]
   torch_dtype: bfloat16
+  draft_model_config: {draft}
 data:
   hidden_states_path: {data}
   cache_dir: {work}/sf-cache-{tag}
@@ -87,7 +99,10 @@ def speculators(fx: str, work: str, steps: int) -> dict:
                                        os.path.join(sp_merged, "hidden_states"), "--format", "speculators",
                                        "--dataset", sp_merged], os.path.join(work, "merge-sp.log"))
     common = ["--verifier-name-or-path", os.path.join(fx, "model"), "--target-layer-ids", "2", "3", "5",
-              "--max-steps", str(steps), "--log-freq", "1", "--epochs", "4"]
+              "--max-steps", str(steps), "--log-freq", "1", "--epochs", "4", "--total-seq-len", "1024",
+              "--hidden-states-dtype", "bfloat16", "--num-workers", "2",
+              # its fused (Triton) loss fails under torch 2.11's compile on the merged files as on the dump
+              "--loss-implementation", "eager"]
     runs = {"merged": _run("speculators on merged files",
                            ["speculators", "train", "--data-path", sp_merged, *common,
                             "--save-path", os.path.join(work, "sp-out-merged")], os.path.join(work, "sp-merged.log")),
@@ -115,6 +130,7 @@ def main() -> None:
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--trainers", nargs="+", default=["specforge", "speculators"])
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     import torch
@@ -123,7 +139,8 @@ def main() -> None:
                       "and straight from the dump (`hscap train`), same fixture, same settings",
               "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "torch": torch.__version__, "steps": a.steps, "dump_gb": round(_du(os.path.join(a.fixture, "dump")) / 1e9, 4),
-              "specforge": specforge(a.fixture, a.work, a.steps), "speculators": speculators(a.fixture, a.work, a.steps)}
+              **{t: {"specforge": specforge, "speculators": speculators}[t](a.fixture, a.work, a.steps)
+                 for t in a.trainers}}
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
 
