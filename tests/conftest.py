@@ -1,5 +1,7 @@
 import os
 import random
+import threading
+import time
 
 import pytest
 
@@ -34,7 +36,42 @@ def served_dump(tiny_model, tmp_path_factory):
         rows.append({"id": f"m/{i}:x", "input_ids": ids, "loss_mask": [rng.randrange(2) for _ in range(n)]})
     data = write_jsonl(root / "data.jsonl", rows)
     d = str(root / "dump")
+    # live readers, started before the server (the dump dir does not exist yet): what they saw
+    # is test_dump_dataset's to judge
+    live = {"with dataset": LiveReader(d, data), "without": LiveReader(d, None)}
     srv = serve_and_send(tiny_model, server_env(d, HSCAP_LAYERS="2,3,5", HSCAP_PRENORM="1"), root,
-                         ["--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows), concurrency=8)
+                         ["--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows), concurrency=8,
+                         while_up=lambda: _caught_up(live, len(rows)))
     assert "final state post-norm and pre-norm" in srv.log()
-    return {"dir": d, "rows": rows, "data": data, "root": root}
+    for r in live.values():
+        r.join(60)
+    return {"dir": d, "rows": rows, "data": data, "root": root, "live": live, "seen_while_up": srv.seen_while_up}
+
+
+def _caught_up(live, rows: int, timeout: float = 60):
+    """Each reader's count while the server is still up, once the dataset's reader has every
+    sample (the other may still wait for a step after a request's last piece, or the close)."""
+    deadline = time.monotonic() + timeout
+    while len(live["with dataset"].items) < rows and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {name: len(r.items) for name, r in live.items()}
+
+
+class LiveReader(threading.Thread):
+    """DumpDataset(follow=True) iterated in a thread until the run closes."""
+
+    def __init__(self, dump: str, dataset) -> None:
+        super().__init__(daemon=True)
+        self.dump, self.dataset = dump, dataset
+        self.name = "with dataset" if dataset else "without"
+        self.items, self.error = [], None
+        self.start()
+
+    def run(self) -> None:
+        from hs_capture import DumpDataset
+
+        try:
+            for item in DumpDataset(self.dump, self.dataset, keys="hscap", follow=True, poll_s=0.2):
+                self.items.append(item)
+        except BaseException as e:  # the test names it
+            self.error = repr(e)

@@ -12,7 +12,6 @@ tested on its own.
 import os
 import random
 import shutil
-import threading
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from hs_capture.offline.dump_dataset import FollowingDumpDataset
 from hs_capture.offline.formats.common import sample_file_stem
 from hs_capture.offline.reader import DumpError, open_runs
 from hs_capture.offline.step_sampler import StepWindowSampler, epoch_order, rank_share, worker_interleave
-from tests.sglang_cpu.harness import Server, hf_hidden_states, hscap_send, server_env, write_jsonl
+from tests.sglang_cpu.harness import hf_hidden_states
 from tests.conftest import NUM_LAYERS
 
 
@@ -211,50 +210,23 @@ def _compare_to_transformers(model, item, tol=1e-4):
     assert np.abs(item["prenorm_hidden_state"].float().numpy() - pre).max() <= tol
 
 
-def test_a_reader_started_before_the_server_yields_every_sample_once_whole_as_it_is_captured(tiny_model, tmp_path):
-    rng = random.Random(11)
-    rows = [{"id": f"live/{i}", "input_ids": [rng.randrange(2, 1000) for _ in range(n)]}
-            for i, n in enumerate([3, 140, 300, 17, 129, 64, 260, 5])]
-    data = write_jsonl(tmp_path / "data.jsonl", rows)
-    dump = str(tmp_path / "dump")  # not there yet
-    got = {"with": [], "without": []}
-    errors = []
-
-    def follow(name, dataset):
-        try:
-            for item in DumpDataset(dump, dataset, keys="hscap", follow=True, poll_s=0.2):
-                got[name].append(item)
-        except BaseException as e:  # the assertion below names it
-            errors.append(repr(e))
-
-    readers = [threading.Thread(target=follow, args=("with", data)), threading.Thread(target=follow, args=("without", None))]
-    for t in readers:
-        t.start()
-    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="2,3,5", HSCAP_PRENORM="1"), str(tmp_path / "server.log"),
-                 ["--chunked-prefill-size", "128", "--disable-radix-cache"])
-    try:
-        srv.wait_healthy()
-        rc, summary = hscap_send(data, "--url", srv.url, "-c", "4")
-        assert rc == 0 and summary["sent"] == len(rows), summary
-        # samples arrive while the server still runs
-        deadline = 60
-        while len(got["with"]) < len(rows) and deadline > 0:
-            threading.Event().wait(0.5)
-            deadline -= 0.5
-        assert len(got["with"]) == len(rows) and all(t.is_alive() for t in readers)
-    finally:
-        srv.stop()
-    for t in readers:
-        t.join(60)
-    assert not errors and not any(t.is_alive() for t in readers), errors
+def test_a_reader_started_before_the_server_yields_every_sample_once_whole_as_it_is_captured(served_dump, tiny_model):
+    # served_dump started two live readers before its server (tests/conftest.py): with the
+    # dataset's lengths, and without (a request is whole once the rank wrote the next step)
+    live, rows = served_dump["live"], served_dump["rows"]
+    assert not any(r.error or r.is_alive() for r in live.values()), {n: r.error for n, r in live.items()}
+    assert served_dump["seen_while_up"]["with dataset"] == len(rows)  # as captured, not after the close
     by_ids = {tuple(r["input_ids"]): r["id"] for r in rows}
-    for name in got:
-        seen = [by_ids[tuple(item["input_ids"].tolist())] for item in got[name]]
-        assert sorted(seen) == sorted(r["id"] for r in rows), name  # once each, none partial
-    finished = DumpDataset(dump, data, keys="hscap")
-    for item in got["with"]:
-        rid = by_ids[tuple(item["input_ids"].tolist())]
-        _same(item, finished.by_id(rid), rid)  # what merge would write
+    finished = DumpDataset(served_dump["dir"], served_dump["data"], keys="hscap")
+    for name, reader in live.items():
+        seen = [by_ids[tuple(item["input_ids"].tolist())] for item in reader.items]  # a partial one: KeyError
+        assert sorted(seen) == sorted(r["id"] for r in rows), name  # once each
+        for rid, item in zip(seen, reader.items):
+            want = finished.by_id(rid)
+            if name == "without":  # no dataset: all-ones loss masks, as merge without --dataset
+                want = {**want, "loss_mask": torch.ones_like(want["loss_mask"])}
+            _same(item, want, rid)  # what merge would write
+    for item in live["with dataset"].items[::3]:
         _compare_to_transformers(tiny_model, item)
 
 

@@ -247,3 +247,30 @@ def test_an_unsupported_release_is_named_in_one_line(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda d: "0.8.2" if d == "speculators" else real(d))
     problem = sp.check()
     assert problem and "speculators 0.8.2 is not supported" in problem and "\n" not in problem
+
+
+def test_a_damaged_dump_stops_hscap_train_with_verifys_one_line(spec, tmp_path):
+    import shutil
+
+    from hs_capture.offline.reader import open_runs
+
+    broken = str(tmp_path / "dump")
+    shutil.copytree(spec["dump"], broken)
+    run = open_runs(broken)[0]
+    path = run.index_path(next(iter(run.ranks)))
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "w") as f:  # a line in the middle that is not JSON (a torn LAST line is not committed: fine)
+        f.writelines(lines[:2] + ["{not json\n"] + lines[2:])
+    args = ["--verifier-name-or-path", spec["target"], "--data-path", spec["data"], "--hidden-states-path", broken,
+            "--target-layer-ids", "2", "3", "5", "--save-path", str(tmp_path / "ckpt"), "--num-workers", "0"]
+    res = CliRunner().invoke(main, ["train", "speculators", "--dataset", spec["order"], "--", *args])
+    assert res.exit_code == 1, res.output
+    errors = [x for x in res.output.splitlines() if x.startswith("Error:")]
+    assert len(errors) == 1 and "line 3 is not a valid index line" in errors[0] and path in errors[0], res.output
+    assert "Traceback" not in res.output
+
+
+def test_an_unsupported_release_is_refused_in_one_line_before_the_trainer_starts(monkeypatch):
+    monkeypatch.setattr(sp, "_version", lambda: "0.8.2")
+    res = CliRunner().invoke(main, ["train", "speculators", "--", "--help"])
+    assert res.exit_code == 1 and res.output.count("\n") == 1 and "0.8.2" in res.output, res.output

@@ -77,7 +77,9 @@ class Assembler:
             self._cached -= sum(t.numel() * t.element_size() for p in old.values() for t in p.values())
         return parts
 
-    def sample(self, rid: str) -> AssembledSample:
+    def sample(self, rid: str, views: bool = False) -> AssembledSample:
+        """views: a one-piece sample's tensors are views of the cached step (no copy), for a
+        caller that copies what it keeps at once (a view keeps the whole decoded step alive)."""
         pieces = self.plan.samples[rid]
         ids, final, pre = [], [], []
         layers: Dict[int, list] = {layer: [] for layer in self.plan.layers}
@@ -93,17 +95,17 @@ class Assembler:
                     pre.append(parts[PRENORM]["hidden"][rows])
             except KeyError as e:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
-        # one piece: views of the decoded step (a format's record() copies what it keeps)
-        cat = (lambda ts: ts[0]) if len(pieces) == 1 else torch.cat
+        cat = (lambda ts: ts[0]) if views and len(pieces) == 1 else torch.cat
         return AssembledSample(rid, cat(ids).to(torch.int64), {k: cat(v) for k, v in layers.items()},
                              cat(final), cat(pre) if pre else None)
 
 
-def with_loss_mask(asm: Assembler, rid: str, ds: Optional[Inputs]) -> Tuple[AssembledSample, torch.Tensor]:
+def with_loss_mask(asm: Assembler, rid: str, ds: Optional[Inputs],
+                   views: bool = False) -> Tuple[AssembledSample, torch.Tensor]:
     """A planned sample and its loss mask (the dataset's, else all ones): what merge writes and
-    DumpDataset hands out. DumpError: a file is gone or corrupt; TokensDiffer: its captured
-    tokens are not the dataset's."""
-    s = asm.sample(rid)
+    DumpDataset hands out (views: Assembler.sample's). DumpError: a file is gone or corrupt;
+    TokensDiffer: its captured tokens are not the dataset's."""
+    s = asm.sample(rid, views)
     if ds is not None:
         k = first_mismatch(s.input_ids.tolist(), ds.ids[rid])
         if k is not None:

@@ -9,14 +9,17 @@ dump alone and no merge pass runs first.
 Whole samples only, by the one completeness rule (planning.plan for a finished dump,
 follow.Follower for a live one). keys: whose items ("specforge", "modelopt", "speculators",
 "hscap": HsCaptureDataset's). A step file holds many samples: read the map-style dataset
-through `ds.sampler(...)` (step_sampler.py) to decode each about once per epoch.
+through `ds.sampler(...)` (step_sampler.py) to decode each about once per epoch. The
+map-style dataset reads what is committed when it opens: for a run still being written use
+follow=True (without a dataset, the last request of a running rank may not be whole yet).
 """
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,6 +33,8 @@ from hs_capture.offline.step_sampler import RUN, StepWindowSampler, rank_world
 
 Dumps = Union[str, Sequence[str]]
 WINDOW_BYTES = 256 << 20  # decoded states per shuffle window (a worker caches it and the step before)
+# a live reader's decode cache: samples become whole in step order, so a few steps suffice
+FOLLOW_CACHE_BYTES = 2 * WINDOW_BYTES
 STATE_VERSION = 1
 
 
@@ -58,11 +63,11 @@ def _check(f: TrainingFormat, prenorm: bool, layers: List[int]) -> None:
 
 def _item(f: TrainingFormat, asm: Assembler, rid: str, inputs: Optional[Inputs]) -> Dict[str, object]:
     try:
-        s, mask = with_loss_mask(asm, rid, inputs)
+        s, mask = with_loss_mask(asm, rid, inputs, views=True)  # record() copies what it keeps
     except TokensDiffer as e:
-        raise DumpError(f"sample {rid!r}: {e} (is this the dataset the dump was captured from?)") from None
+        raise TokensDiffer(f"sample {rid!r}: {e} (is this the dataset the dump was captured from?)") from None
     except DumpError as e:
-        raise DumpError(f"sample {rid!r}: {e} (hscap verify names every damaged sample)") from None
+        raise DumpError(f"{e} (hscap verify names every damaged sample)") from None
     return f.record(s, mask)
 
 
@@ -70,7 +75,8 @@ class DumpDataset(torch.utils.data.Dataset):
     """A finished dump (or several), random access; follow=True gives the live, iterable
     FollowingDumpDataset instead. DumpError: the dump or dataset cannot be used (one line)."""
 
-    def __new__(cls, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False, **kw):
+    def __new__(cls, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False,
+                **kw: Any) -> Any:
         if follow and cls is DumpDataset:
             return FollowingDumpDataset(dumps, dataset, keys, **kw)
         return super().__new__(cls)
@@ -88,6 +94,7 @@ class DumpDataset(torch.utils.data.Dataset):
         order = self.inputs.order if self.inputs else sorted(set(self.plan.samples) | set(self.plan.incomplete))
         self._rows = {rid: row for row, rid in enumerate(order)}
         self.rids: List[str] = [rid for rid in order if rid in self.plan.samples]
+        self._index = {rid: i for i, rid in enumerate(self.rids)}
         self.incomplete: Dict[str, str] = dict(self.plan.incomplete)  # rid -> why it is left out
         self.windows = self._windows(window_bytes)
         largest = max((self._step_bytes(k) for k in self._steps), default=0)
@@ -98,7 +105,7 @@ class DumpDataset(torch.utils.data.Dataset):
     def _token_bytes(self) -> int:
         return self.plan.hidden_size * (len(self.plan.layers) + 1 + self.plan.prenorm) * 2  # bf16, as servers store
 
-    def _step_bytes(self, key) -> int:
+    def _step_bytes(self, key: Tuple[int, str, int]) -> int:
         return self._steps[key] * self._token_bytes()
 
     def _windows(self, window_bytes: int) -> List[List[int]]:
@@ -144,17 +151,17 @@ class DumpDataset(torch.utils.data.Dataset):
         return _item(self.format, self._asm, self.rids[i], self.inputs)
 
     def by_id(self, rid: str) -> Dict[str, object]:
-        return self[self.rids.index(rid)]
+        return self[self._index[rid]]
 
     @property
     def bytes_decoded(self) -> int:
         """Raw state bytes this process decoded so far."""
         return self._asm.bytes_decoded if self._asm is not None else 0
 
-    def __getnewargs__(self):  # unpickling (spawned DataLoader workers) calls __new__ with these
+    def __getnewargs__(self) -> Tuple[List[str]]:  # unpickling (spawned workers) calls __new__ with these
         return (self.dumps,)
 
-    def __getstate__(self):
+    def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_asm"] = None  # a worker decodes into its own cache
         return state
@@ -165,24 +172,29 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
     as it is whole; the dump dir need not exist yet. Ends when every run found has closed (or
     after `idle_timeout_s` without a new sample, or on stop()). Under DataLoader workers and
     torch.distributed each sample goes to one reader, by the step that ends it (each step
-    decoded about once). state_dict()/load_state_dict(): the samples handed out, so a
-    restarted trainer neither repeats nor skips one (torchdata's StatefulDataLoader calls
-    them in each worker)."""
+    decoded about once; the split is fixed when the dataset is made, in the trainer's process).
+    The readers' counts differ: under DDP stop at a step count or use torch's Join.
+    state_dict()/load_state_dict(): the samples handed out, so a restarted trainer neither
+    repeats nor skips one (torchdata's StatefulDataLoader calls them in each worker).
+    A request captured twice (a re-send) is handed out once, as first captured whole; one
+    whose tokens differ from the dataset's is left out (`skipped`)."""
 
     def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap",
                  poll_s: float = 0.5, idle_timeout_s: Optional[float] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, cache_bytes: int = 2 * WINDOW_BYTES) -> None:
+                 world_size: Optional[int] = None, cache_bytes: int = FOLLOW_CACHE_BYTES) -> None:
         self.format = _format(keys)
         self.keys = keys
         self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
         self.inputs = _inputs(dataset)
         self.poll_s, self.idle_timeout_s = poll_s, idle_timeout_s
-        self.rank, self.world_size = rank, world_size
+        # here, in the trainer's process: a spawned DataLoader worker has no process group
+        self.rank, self.world_size = rank_world(rank, world_size)
         self.cache_bytes = cache_bytes
         self._yielded: List[str] = []
         self._skip: set = set()
         self._stop = False
         self.bytes_decoded = 0
+        self.skipped: Dict[str, str] = {}  # rid -> why it was left out
 
     def stop(self) -> None:
         """End the iteration after the sample being handed out (same process)."""
@@ -198,17 +210,16 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
         self._skip = set(state["yielded"])
         self._yielded = []
 
-    def _share(self):
+    def _share(self) -> Tuple[int, int]:
         """(this reader's number, readers): DataLoader workers within torch.distributed ranks."""
-        rank, world = rank_world(self.rank, self.world_size)
         info = torch.utils.data.get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return rank * workers + worker, world * workers
+        return self.rank * workers + worker, self.world_size * workers
 
     def __iter__(self) -> Iterator[Dict[str, object]]:
         me, readers = self._share()
         lengths = {k: len(v) for k, v in self.inputs.ids.items()} if self.inputs else None
-        follower = Follower(self.dumps, lengths, skip=self._skip)
+        follower = Follower(self.dumps, lengths, skip=self._skip | set(self._yielded) | set(self.skipped))
         p: Optional[Plan] = None
         asm: Optional[Assembler] = None
         idle_since = time.monotonic()
@@ -221,12 +232,18 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
                 p = Plan(follower.runs, follower.layers, follower.hidden_size, follower.prenorm)
                 asm = Assembler(p, self.cache_bytes)
             for w in ready:
-                if zlib.crc32(f"{follower.runs[w.end[0]].path}|{w.end[1]}|{w.end[2]}".encode()) % readers != me:
+                run_id = os.path.basename(follower.runs[w.end[0]].path)  # the same on every node's mount
+                if zlib.crc32(f"{run_id}|{w.end[1]}|{w.end[2]}".encode()) % readers != me:
                     continue
                 p.samples[w.rid] = w.pieces
                 before = asm.bytes_decoded
-                item = _item(self.format, asm, w.rid, self.inputs)
-                del p.samples[w.rid]
+                try:
+                    item = _item(self.format, asm, w.rid, self.inputs)
+                except TokensDiffer as e:  # not this dataset's sample: merge leaves it out too
+                    self.skipped[w.rid] = str(e)
+                    continue
+                finally:
+                    del p.samples[w.rid]
                 self.bytes_decoded += asm.bytes_decoded - before
                 self._yielded.append(w.rid)  # in the state before the item is handed out
                 yield item

@@ -102,11 +102,11 @@ class Follower:
     def _admit(self, meta: RankMeta) -> None:
         """The first rank fixes layers, hidden size and pre-norm; every later one must agree."""
         key = (list(meta.layers), meta.hidden_size, meta.prenorm)
+        first = (self.layers, self.hidden_size, self.prenorm)
         if not self.layers:
             self.layers, self.hidden_size, self.prenorm = key
-        elif key != [self.layers, self.hidden_size, self.prenorm]:
-            raise DumpError(f"run {meta.run_id}: layers/hidden size/pre-norm {key} differ from the first run's "
-                            f"{[self.layers, self.hidden_size, self.prenorm]}")
+        elif key != first:
+            raise DumpError(f"run {meta.run_id}: layers/hidden size/pre-norm {key} differ from the first run's {first}")
 
     @property
     def parts(self) -> List[str]:

@@ -76,11 +76,15 @@ class Captured:
         # A run's pieces are keyed by run id and rank, not by directory: one run copied or split
         # across dump dirs (one per node) is still one run; the same step seen twice counts once.
         self.pieces: Dict[str, Dict[Tuple[str, str, int], Piece]] = {}
+        self.dropped: Dict[str, int] = {}  # rid -> a dropped step that held part of it
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
-                    if not line.written:
-                        continue  # a dropped step holds nothing
+                    if not line.written:  # a dropped step holds nothing
+                        for s in line.seqs:
+                            if s.rid is not None:
+                                self.dropped.setdefault(s.rid, line.step)
+                        continue
                     files = tuple(sorted((part, f.path) for part, f in line.files.items()))
                     for s in line.seqs:
                         rid = s.rid
@@ -93,6 +97,9 @@ class Captured:
     def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
         """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
         length: the dataset's (None: as far as it was captured)."""
+        if length is None and rid in self.dropped:  # its end may be what was dropped
+            return None, (f"step {self.dropped[rid]} that held part of it was dropped (writer full): without "
+                          "the dataset's length its end is unknown"), []
         pieces = list(self.pieces.get(rid, {}).values())
         usable = [p for p in pieces if not set(self.parts) - {part for part, _ in p.files}]
         j = whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable], length)

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 
-def rank_world(rank: Optional[int], world_size: Optional[int]):
+def rank_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """The given rank and world size, else torch.distributed's, else (0, 1)."""
     if rank is not None and world_size is not None:
         return rank, world_size
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -30,7 +31,9 @@ def rank_world(rank: Optional[int], world_size: Optional[int]):
     return 0, 1
 
 
-RUN = 8  # windows read in dump order before the next jump
+# windows read in dump order before the next jump: each jump decodes one step twice, so the
+# extra decode is ~1/(RUN x steps per window); the order is still shuffled across runs
+RUN = 8
 
 
 def epoch_order(windows: Sequence[Sequence[int]], epoch: int, seed: int, shuffle: bool, run: int = RUN) -> List[int]:
@@ -62,9 +65,22 @@ def rank_share(order: List[int], rank: int, world_size: int, drop_last: bool) ->
     return order[rank * per:(rank + 1) * per]
 
 
+def deal(batches: List, workers: int, first: int = 0) -> List:
+    """Order batches so that DataLoader worker w, which takes batches w, w+N, w+2N, ..., reads
+    one contiguous run of them; the runs are cut from `batches` for workers first, first+1, ...
+    (mod N) in turn."""
+    nb = len(batches)
+    counts = [max(0, math.ceil((nb - w) / workers)) for w in range(workers)]
+    runs, at = {}, 0
+    for w in [(first + k) % workers for k in range(workers)]:
+        runs[w] = batches[at:at + counts[w]]
+        at += counts[w]
+    return [runs[w][r] for r in range(counts[0]) for w in range(workers) if r < counts[w]]
+
+
 def worker_interleave(share: List[int], batch_size: int, num_workers: int, drop_last: bool) -> List[int]:
-    """Reorder so that DataLoader worker w, which takes batches w, w+N, w+2N, ..., reads a
-    contiguous part of `share`; the batches are those the DataLoader will cut."""
+    """`share` reordered so that each DataLoader worker reads a contiguous part of it, in the
+    batches the DataLoader will cut from the order."""
     if num_workers <= 1:
         return share
     full = len(share) // batch_size
@@ -73,22 +89,12 @@ def worker_interleave(share: List[int], batch_size: int, num_workers: int, drop_
     if rest and not drop_last:
         batches.append(rest)
         rest = []
-    nb = len(batches)
-    if nb == 0:
+    if not batches:
         return share
-    counts = [max(0, math.ceil((nb - w) / num_workers)) for w in range(num_workers)]
-    # the worker that takes the last batch (the short one) holds the end of the share
-    last = (nb - 1) % num_workers
-    segments, at = {}, 0
-    for w in [(last + 1 + k) % num_workers for k in range(num_workers)]:
-        segments[w] = batches[at:at + counts[w]]
-        at += counts[w]
-    out: List[int] = []
-    for r in range(counts[0]):
-        for w in range(num_workers):
-            if r < counts[w]:
-                out += segments[w][r]
-    return out + rest  # with drop_last the DataLoader drops this short tail
+    # the short last batch must come last: the run holding it (the share's end) goes to the
+    # worker that takes the last batch
+    last = (len(batches) - 1) % num_workers
+    return [i for b in deal(batches, num_workers, first=(last + 1) % num_workers) for i in b] + rest
 
 
 class StepWindowSampler(torch.utils.data.Sampler):

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -238,9 +238,11 @@ def hscap_send(*args):
 
 
 def serve_and_send(model: str, env: Dict[str, str], root, flags: Sequence[str], data: str, rows: int,
-                   concurrency: int = 4, times: int = 1) -> "Server":
+                   concurrency: int = 4, times: int = 1, while_up: Optional[Callable[[], object]] = None) -> "Server":
     """Start the real server, send the dataset `times` times with `hscap send` (each send must
-    send every row), stop it (SIGTERM: the hook flushes). Returns the stopped server (its log)."""
+    send every row), stop it (SIGTERM: the hook flushes). Returns the stopped server (its log);
+    `while_up`, called after the sends and before the stop, leaves its answer in
+    srv.seen_while_up."""
     srv = Server(model, env, os.path.join(str(root), "server.log"), flags)
     try:
         srv.wait_healthy()
@@ -248,6 +250,7 @@ def serve_and_send(model: str, env: Dict[str, str], root, flags: Sequence[str], 
             rc, summary = hscap_send(data, "--url", srv.url, "-c", str(concurrency),
                                      "--failures", os.path.join(str(root), f"failures-{k}.jsonl"))
             assert rc == 0 and summary["sent"] == rows, summary
+        srv.seen_while_up = while_up() if while_up is not None else None
     finally:
         srv.stop()
     return srv

@@ -34,13 +34,15 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tu
 from hs_capture.dump.paths import holds_dump
 from hs_capture.offline.dump_dataset import DumpDataset
 from hs_capture.offline.step_sampler import StepWindowSampler
+from hs_capture.offline.reader import DumpError
+from hs_capture.offline.trainers.patching import Patches
 
 NAME = "modelopt"
 SUPPORTED = ("0.47.",)  # releases whose OfflineSupervisedDataset loads one torch.load dict per item
 
 _dataset: Optional[str] = None  # the JSONL given to `hscap send` (loss masks), from instrument()
 _instrumented = False
-_patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), undone by uninstrument()
+_patches = Patches()  # undone by uninstrument()
 
 
 def check() -> Optional[str]:
@@ -96,11 +98,11 @@ def data_module(tokenizer: Any, data_args: Any, train_len: Optional[int] = None,
 
     if answer_only_loss and _dataset is None:
         # without the dataset every loss_mask is all ones: answer-only would silently train on every token
-        raise ValueError("training.answer_only_loss needs the dataset's loss masks: give `hscap train --dataset JSONL`")
+        raise DumpError("training.answer_only_loss needs the dataset's loss masks: give `hscap train --dataset JSONL`")
     sample_size = getattr(data_args, "sample_size", -1)  # -1 or a positive count: its recipe checks
     dump = DumpDataset(data_args.offline_data_path, _dataset, keys="modelopt")
     if not len(dump):
-        raise ValueError(f"No whole samples in the dump {data_args.offline_data_path}")
+        raise DumpError(f"no whole sample in the dump {data_args.offline_data_path}")
     n = len(dump) if sample_size < 0 else min(sample_size, len(dump))
     return {"train_dataset": OfflineSupervisedDataset(_Samples(dump, n), answer_only_loss=answer_only_loss,
                                                       tokenizer=tokenizer),
@@ -180,25 +182,15 @@ def _train_sampler(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) 
                         instance._train_batch_size, a.dataloader_drop_last)
 
 
-def _wrap(owner: Any, attr: str, wrapper: Callable) -> None:
-    import wrapt
-
-    if any(o is owner and a == attr for o, a, _ in _patches):
-        return
-    original = getattr(owner, attr)
-    setattr(owner, attr, wrapt.FunctionWrapper(original, wrapper))
-    _patches.append((owner, attr, original))
-
-
 def _on_eagle_utils(module: Any) -> None:
     # ModelOpt's checkout, imported as a top-level module by main.py (which then binds the name)
     if _instrumented and callable(getattr(module, "make_speculative_data_module", None)):
-        _wrap(module, "make_speculative_data_module", _make_data_module)
+        _patches.wrap(module, "make_speculative_data_module", _make_data_module)
 
 
 def _on_trainer(module: Any) -> None:
     if _instrumented:
-        _wrap(module.Trainer, "_get_train_sampler", _train_sampler)
+        _patches.wrap(module.Trainer, "_get_train_sampler", _train_sampler)
 
 
 def instrument(dataset: Optional[str]) -> None:
@@ -210,16 +202,14 @@ def instrument(dataset: Optional[str]) -> None:
     if _instrumented:
         return
     _instrumented = True
-    _wrap(torch, "load", _load)
+    _patches.wrap(torch, "load", _load)
     wrapt.register_post_import_hook(_on_eagle_utils, "eagle_utils")
     wrapt.register_post_import_hook(_on_trainer, "transformers.trainer")
 
 
 def uninstrument() -> None:
     global _dataset, _instrumented
-    for owner, attr, original in reversed(_patches):
-        setattr(owner, attr, original)
-    _patches.clear()
+    _patches.restore()
     _dataset, _instrumented = None, False  # hooks still pending on an import do nothing now
 
 

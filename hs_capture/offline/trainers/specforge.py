@@ -80,13 +80,15 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from hs_capture.offline.trainers.patching import Patches, worker_main
+
 NAME = "specforge"
 SUPPORTED = ("0.2.",)  # releases whose offline data path is OfflineManifestReader + LocalFeatureStore
 MARK = "#hscap-sample="  # the listed name of sample i of a dump: <dump>#hscap-sample=<i>
 
 _dataset: Optional[str] = None  # the JSONL given to `hscap send`, from instrument()
 _instrumented = False
-_patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), undone by uninstrument()
+_patches = Patches()  # undone by uninstrument()
 _dumps: Dict[str, "_Dump"] = {}  # abspath of a dump -> its samples, opened once per process
 _sharding: "contextvars.ContextVar[Optional[_Dump]]" = contextvars.ContextVar("hscap_sharding", default=None)
 _tokens_only: "contextvars.ContextVar[bool]" = contextvars.ContextVar("hscap_tokens_only", default=False)
@@ -312,20 +314,10 @@ def _launch_plan(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
 
 
 # ------------------------------------------------------------------ instrumentation
-def _wrap(owner: Any, attr: str, wrapper: Callable) -> None:
-    import wrapt
-
-    if any(o is owner and a == attr for o, a, _ in _patches):
-        return
-    original = getattr(owner, attr)
-    setattr(owner, attr, wrapt.FunctionWrapper(original, wrapper))
-    _patches.append((owner, attr, original))
-
-
 def _hook(attr: str, wrapper: str) -> Callable[[Any], None]:
     def on_import(module: Any) -> None:
         if _instrumented:  # a hook registered before uninstrument() does nothing now
-            _wrap(module, attr, globals()[wrapper])
+            _patches.wrap(module, attr, globals()[wrapper])
     return on_import
 
 
@@ -345,9 +337,7 @@ def instrument(dataset: Optional[str]) -> None:
 
 def uninstrument() -> None:
     global _dataset, _instrumented
-    for owner, attr, original in reversed(_patches):
-        setattr(owner, attr, original)
-    _patches.clear()
+    _patches.restore()
     _dumps.clear()
     _dataset, _instrumented = None, False
 
@@ -362,9 +352,4 @@ def main(argv: List[str]) -> None:
 
 if __name__ == "__main__":
     # a SpecForge worker process started by the patched launch plan: [--dataset JSONL] train ...
-    argv = sys.argv[1:]
-    jsonl = None
-    if argv[:1] == ["--dataset"]:
-        jsonl, argv = argv[1], argv[2:]
-    instrument(jsonl)
-    main(argv)
+    worker_main(sys.modules[__name__])

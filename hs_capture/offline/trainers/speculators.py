@@ -47,9 +47,11 @@ Any other path or dataset goes to speculators untouched.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from hs_capture.offline.step_sampler import deal
+from hs_capture.offline.trainers.patching import Patches
 
 NAME = "speculators"
 SUPPORTED = ("0.9.",)  # releases whose ArrowDataset reads states through transfer.get_cached(row)
@@ -57,7 +59,7 @@ SUPPORTED = ("0.9.",)  # releases whose ArrowDataset reads states through transf
 log = logging.getLogger(__name__)
 
 _dataset: Optional[str] = None  # the JSONL given to `hscap send`, from instrument()
-_patches: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original), undone by uninstrument()
+_patches = Patches()  # undone by uninstrument()
 _open: Dict[Tuple[str, str], Any] = {}  # one DumpDataset per (dump, dataset): train and val share it
 
 
@@ -162,17 +164,6 @@ def _pack(indices: Sequence[int], lengths: Any, budget: int) -> List[List[int]]:
     return batches
 
 
-def _deal(batches: List[Any], workers: int) -> List[Any]:
-    """The DataLoader gives batch j to worker j % W: order `batches` so that each worker reads
-    one contiguous run of them (runs differ in length by one at most, the longer ones first)."""
-    per, extra = divmod(len(batches), workers)
-    runs, at = [], 0
-    for w in range(workers):
-        runs.append(batches[at:at + per + (w < extra)])
-        at += len(runs[-1])
-    return [b for turn in itertools.zip_longest(*runs) for b in turn if b is not None]
-
-
 class _DumpBatches:
     """A multipack sampler's `_generate_batches` for an ArrowDataset read from a dump. Each
     data-parallel rank takes its `DumpDataset.sampler` share (windows of steps, shuffled by seed
@@ -206,7 +197,7 @@ class _DumpBatches:
         batches = per_rank[s.rank][:min(map(len, per_rank))]
         if s.max_batches is not None:
             batches = batches[:s.max_batches]
-        batches = [np.array(b) for b in _deal(batches, self.workers)]
+        batches = [np.array(b) for b in deal(batches, self.workers)]
         s._cached_generated_batches = (epoch, batches)
         return batches
 
@@ -219,31 +210,19 @@ def _data_loader(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) ->
     return wrapped(*args, **kwargs)
 
 
-def _wrap(owner: Any, attr: str, wrapper: Callable) -> None:
-    import wrapt
-
-    if any(o is owner and a == attr for o, a, _ in _patches):
-        return
-    original = vars(owner)[attr]
-    setattr(owner, attr, wrapt.FunctionWrapper(original, wrapper))
-    _patches.append((owner, attr, original))
-
-
 def instrument(dataset: Optional[str]) -> None:
     from speculators.train import dataloader
     from speculators.train.data import ArrowDataset
 
     global _dataset
     _dataset = dataset
-    _wrap(ArrowDataset, "__init__", _arrow_init)
-    _wrap(dataloader, "DataLoader", _data_loader)
+    _patches.wrap(ArrowDataset, "__init__", _arrow_init)
+    _patches.wrap(dataloader, "DataLoader", _data_loader)
 
 
 def uninstrument() -> None:
     global _dataset
-    for owner, attr, original in reversed(_patches):
-        setattr(owner, attr, original)
-    _patches.clear()
+    _patches.restore()
     _open.clear()
     _dataset = None
 
