@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
+from tests.sglang_cpu.harness import REPO, make_tiny_deepseek, serve_and_send, server_env, write_jsonl
 
 NUM_LAYERS = 6
 
@@ -22,6 +22,22 @@ def clean_env(monkeypatch):
         if k.startswith(("HSCAP_", "SGLANG_HS_")):
             monkeypatch.delenv(k)
     return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model, tmp_path_factory):
+    """The tiny model's files beside a tokenizer and a weight index, what the trainers' own code
+    loads of a target (bin/tiny_model.py's add_checkpoint_files)."""
+    import importlib.util
+
+    out = str(tmp_path_factory.mktemp("tiny-target"))
+    for name in os.listdir(tiny_model):
+        os.symlink(os.path.join(tiny_model, name), os.path.join(out, name))
+    spec = importlib.util.spec_from_file_location("tiny_model", os.path.join(REPO, "bin", "tiny_model.py"))
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    tiny.add_checkpoint_files(out)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ in a Model-Optimizer checkout (MODELOPT_EXAMPLES=.../examples/speculative_decodi
 that runs it is skipped without one."""
 
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -79,24 +78,12 @@ def test_check_names_an_unsupported_release_and_uninstrument_undoes_every_patch(
     assert "nvidia-modelopt 0.46.0 is not supported" in got["unsupported"] and "\n" not in got["unsupported"]
 
 
-def _model_with_tokenizer(model: str, out: str) -> str:
-    """The served model's files beside a tokenizer: ModelOpt's main.py loads the target's (bin/tiny_model.py's)."""
-    os.makedirs(out)
-    for name in os.listdir(model):
-        os.symlink(os.path.join(model, name), os.path.join(out, name))
-    spec = importlib.util.spec_from_file_location("tiny_model", os.path.join(REPO, "bin", "tiny_model.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    tiny.add_checkpoint_files(out)
-    return out
-
-
-def test_hscap_train_runs_modelopts_main_on_the_dump(served_dump, tiny_model, tmp_path):
+def test_hscap_train_runs_modelopts_main_on_the_dump(served_dump, tiny_target, tmp_path):
     examples = os.environ.get("MODELOPT_EXAMPLES")
     if not examples or not os.path.exists(os.path.join(examples, "main.py")):
         pytest.skip("ModelOpt's training entry is in a Model-Optimizer checkout: set MODELOPT_EXAMPLES to its "
                     "examples/speculative_decoding")
-    model = _model_with_tokenizer(tiny_model, str(tmp_path / "model"))
+    model = tiny_target
     ckpt = str(tmp_path / "ckpt")
     # README's CPU overrides; "no" quoted, or OmegaConf reads it as False
     cmd = [MODELOPT_PY, "-m", "hs_capture.cli", "train", "modelopt", "--dataset", served_dump["data"], "--",

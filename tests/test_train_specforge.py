@@ -14,7 +14,6 @@ training step from the dump. check() names what it cannot patch in one line.
 import ast
 import glob
 import importlib.metadata
-import importlib.util
 import json
 import math
 import os
@@ -35,18 +34,9 @@ AUX_IDS = [1, 2, 4]  # what merge prints for the served dump's layers 2,3,5
 FSDP_STOP = "FSDP needs a non-CPU accelerator device"
 
 
-@pytest.fixture(scope="module")
-def target(tiny_model, tmp_path_factory):
-    """The served model's files beside a tokenizer and a weight index (SpecForge reads its target
-    head through the index: bin/tiny_model.py's add_checkpoint_files)."""
-    out = str(tmp_path_factory.mktemp("sf-target"))
-    for name in os.listdir(tiny_model):
-        os.symlink(os.path.join(tiny_model, name), os.path.join(out, name))
-    spec = importlib.util.spec_from_file_location("tiny_model", os.path.join(REPO, "bin", "tiny_model.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    tiny.add_checkpoint_files(out)
-    return out
+@pytest.fixture
+def target(tiny_target):
+    return tiny_target
 
 
 @pytest.fixture

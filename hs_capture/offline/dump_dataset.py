@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hs_capture.offline.assemble import Assembler, TokensDiffer, with_loss_mask
-from hs_capture.offline.follow import Follower, Whole
+from hs_capture.offline.follow import Follower
 from hs_capture.offline.formats import FORMATS, NAMES, TrainingFormat
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
 from hs_capture.offline.planning import Plan, plan

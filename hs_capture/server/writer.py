@@ -25,7 +25,7 @@ import torch
 from hs_capture.server.backlog import Backlog
 from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
-from hs_capture.dump.schema import FileRef, IndexLine, RankMeta
+from hs_capture.dump.schema import IndexLine, RankMeta
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager

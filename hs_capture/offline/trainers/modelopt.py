@@ -29,7 +29,7 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
-from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
 from hs_capture.dump.paths import holds_dump
 from hs_capture.offline.dump_dataset import DumpDataset
