@@ -67,7 +67,8 @@ def _item(f: TrainingFormat, asm: Assembler, rid: str, inputs: Optional[Inputs])
     except TokensDiffer as e:
         raise TokensDiffer(f"sample {rid!r}: {e} (is this the dataset the dump was captured from?)") from None
     except DumpError as e:
-        raise DumpError(f"{e} (hscap verify names every damaged sample)") from None
+        where = "" if str(e).startswith("rid ") else f"sample {rid!r}: "
+        raise DumpError(f"{where}{e} (hscap verify names every damaged sample)") from None
     return f.record(s, mask)
 
 
