@@ -11,6 +11,10 @@ from typing import Any, Callable, List, Optional, Tuple
 from hs_capture.offline.reader import DumpError
 
 
+class Unsupported(Exception):
+    """What a patch found, while the trainer ran, that it cannot work with: one line."""
+
+
 class Patches:
     """The (owner, attribute, original) one instrumentor replaced with wrapt FunctionWrappers."""
 
@@ -50,7 +54,7 @@ def run(patch: ModuleType, dataset: Optional[str], argv: List[str]) -> Optional[
     patch.instrument(dataset)
     try:
         patch.main(argv)
-    except DumpError as e:
+    except (DumpError, Unsupported) as e:
         return one_line(e)
     finally:
         patch.uninstrument()

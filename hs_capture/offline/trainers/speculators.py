@@ -51,7 +51,7 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hs_capture.offline.step_sampler import deal
-from hs_capture.offline.trainers.patching import Patches
+from hs_capture.offline.trainers.patching import Patches, Unsupported
 
 NAME = "speculators"
 SUPPORTED = ("0.9.",)  # releases whose ArrowDataset reads states through transfer.get_cached(row)
@@ -172,7 +172,15 @@ class _DumpBatches:
     files are decoded by one worker. Every rank is cut to the fewest batches any rank has, as
     each step is a collective."""
 
+    # what of the multipack sampler's own state this reads or sets (private: checked at first use)
+    NEEDS = ("seed", "num_replicas", "rank", "lengths", "batch_max_length", "max_batches", "valid_indices",
+             "_cached_generated_batches")
+
     def __init__(self, sampler: Any, dataset: Any, num_workers: int) -> None:
+        missing = [a for a in self.NEEDS if not hasattr(sampler, a)]
+        if missing:
+            raise Unsupported(f"speculators {_version()}: its batch sampler has no {', '.join(missing)}: "
+                              "the dump patch cannot order it")
         self.sampler, self.workers = sampler, max(1, num_workers)
         self.transfer = dataset.transfer
         self.start, self.n = dataset.start_file_idx, len(dataset)
