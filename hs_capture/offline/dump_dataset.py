@@ -55,6 +55,11 @@ def _inputs(dataset: Optional[str]) -> Optional[Inputs]:
         raise DumpError(f"{dataset}: {e.strerror or e}") from None
 
 
+def _lengths(inputs: Optional[Inputs]) -> Optional[Dict[str, int]]:
+    """The dataset's lengths: only its ids count, each to its full length."""
+    return {k: len(v) for k, v in inputs.ids.items()} if inputs is not None else None
+
+
 def _check(f: TrainingFormat, prenorm: bool, layers: List[int]) -> None:
     problem = f.problem(prenorm, layers)
     if problem:
@@ -88,8 +93,7 @@ class DumpDataset(torch.utils.data.Dataset):
         self.keys = keys
         self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
         self.inputs = _inputs(dataset)
-        lengths = {k: len(v) for k, v in self.inputs.ids.items()} if self.inputs else None
-        self.plan: Plan = plan(self.dumps, lengths)
+        self.plan: Plan = plan(self.dumps, _lengths(self.inputs))
         _check(self.format, self.plan.prenorm, self.plan.layers)
         # merge's rows: the dataset's order, else rid order, incomplete samples included
         order = self.inputs.order if self.inputs else sorted(set(self.plan.samples) | set(self.plan.incomplete))
@@ -219,8 +223,7 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Dict[str, object]]:
         me, readers = self._share()
-        lengths = {k: len(v) for k, v in self.inputs.ids.items()} if self.inputs else None
-        follower = Follower(self.dumps, lengths, skip=self._skip | set(self._yielded) | set(self.skipped))
+        follower = Follower(self.dumps, _lengths(self.inputs), skip=self._skip | set(self._yielded) | set(self.skipped))
         p: Optional[Plan] = None
         asm: Optional[Assembler] = None
         idle_since = time.monotonic()

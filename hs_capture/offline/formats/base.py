@@ -154,9 +154,12 @@ class PerSampleFormat(TrainingFormat):
         """A file name (no directory) -> (the stem naming a rid, the row) when it is this
         format's, else None."""
 
-    @abstractmethod
     def save(self, path: str, record: Dict[str, object], rid: str) -> None:
-        """Write one sample's record (record()) to path."""
+        """Write one sample's record (record()) to path: a torch.save dict, unless the format
+        says otherwise."""
+        import torch
+
+        torch.save(record, path)
 
     def plan_outputs(self, rows: Sequence[Row], shard: Tuple[int, int], cut: Cut) -> List[Output]:
         return [Output(self.file_name(rid, row), [(row, rid)]) for row, rid in rows]

@@ -30,11 +30,6 @@ class ModelOpt(PerSampleFormat):
                 "aux_hidden_states": aux_of(s).contiguous(), "loss_mask": loss_mask.to(torch.int64),
                 "hidden_states_prenorm": False}
 
-    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
-        import torch
-
-        torch.save(record, path)
-
     def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
         d = load_torch_dict(ref.path)
         check_dtypes(d, {"input_ids": "int64", "loss_mask": "int64"})

@@ -34,11 +34,6 @@ class SpecForge(PerSampleFormat):
         return {"input_ids": s.input_ids.clone(), "loss_mask": loss_mask.to(torch.int64),
                 "aux_hidden_state": aux_of(s).unsqueeze(0).contiguous(), "hidden_state": s.final.unsqueeze(0).clone()}
 
-    def save(self, path: str, record: Dict[str, object], rid: str) -> None:
-        import torch
-
-        torch.save(record, path)
-
     def load(self, ref: SampleRef, cache: Dict, as_torch: bool = False) -> MergedSample:
         d = load_torch_dict(ref.path)
         ids, aux, fin = d["input_ids"], d["aux_hidden_state"], d["hidden_state"]
