@@ -13,11 +13,61 @@
 # The trainers (SpecForge, speculators) also need their wheels (.gpu-bundle/b4, bin/gpu_bundle.sh):
 # pip installs, without deps or an index, each wheel whose distribution the machine lacks
 #   bash benchmarks/gpu/device.sh trainers python3 benchmarks/gpu/train_from_dump.py ...
+# Capture -> train -> serve (benchmarks/gpu/purpose.py), in the background, each call waiting
+# up to WAIT seconds (default 540) and copying the results and logs to $RESULTS (default $ROOT/out):
+#   bash benchmarks/gpu/device.sh purpose-stage     unpacks chunk 2, installs the trainers (b3, b4),
+#                                                  trains the target in the background; returns at once
+#   bash benchmarks/gpu/device.sh purpose [purpose.py options]
+#                                                  unpacks chunk 1, (re)starts purpose.py, waits
+#   bash benchmarks/gpu/device.sh purpose-wait      waits for the run in progress
 set -euo pipefail
 ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
 cmd=${1:-}
 shift || true
+PURPOSE_ENV="PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+  TRITON_CACHE_DIR=$ROOT/cache/triton TVM_FFI_CACHE_DIR=$ROOT/cache/tvm FLASHINFER_WORKSPACE_BASE=$ROOT/cache"
+
+# hs_capture's wheels (b3) and the trainers' (b4) that the machine lacks, without deps or an index
+install_trainers() {
+  python3 - .gpu-bundle/b3/*.whl .gpu-bundle/b4/*.whl <<'PY'
+import importlib.metadata as md, os, subprocess, sys
+missing = []
+for w in sys.argv[1:]:
+    if not os.path.exists(w):
+        continue
+    dist = os.path.basename(w).split("-")[0]
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        missing.append(w)
+print("installing", len(missing), "wheels:", " ".join(os.path.basename(w).split("-")[0] for w in missing))
+if missing:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *missing], check=True)
+PY
+}
+
+# the checkout as it is now, outside the working tree a later copy replaces
+copy_repo() {
+  rm -rf "$ROOT/repo.new" && mkdir -p "$ROOT/repo.new"
+  tar cf - --exclude=./.gpu-bundle --exclude=./.git --exclude=./.venv . | tar xf - -C "$ROOT/repo.new"
+  rm -rf "$ROOT/repo" && mv "$ROOT/repo.new" "$ROOT/repo"
+}
+
+# up to WAIT seconds for purpose.py; its results and logs go to $RESULTS either way
+wait_purpose() {
+  local out=${RESULTS:-$ROOT/results}
+  for i in $(seq "${WAIT:-540}"); do
+    [ -e "$ROOT/purpose.done" ] && break
+    sleep 1
+  done
+  tail -40 "$ROOT/purpose.log"
+  mkdir -p "$out"
+  cp "$ROOT/purpose.results.json" "$out/" 2>/dev/null || true
+  (cd "$ROOT" && tar czf "$out/logs.tar.gz" out purpose.log stage.log 2>/dev/null) || true
+  [ -e "$ROOT/purpose.done" ] && echo "purpose.py finished" || echo "purpose.py still running"
+}
+
 case "$cmd" in
 stage)
   mkdir -p "$ROOT/bundle" "$SITE"
@@ -58,23 +108,47 @@ offline)
   "$@"
   ;;
 trainers)
-  python3 - .gpu-bundle/b3/*.whl .gpu-bundle/b4/*.whl <<'PY'
-import importlib.metadata as md, os, subprocess, sys
-missing = []
-for w in sys.argv[1:]:
-    dist = os.path.basename(w).split("-")[0]
-    try:
-        md.version(dist)
-    except md.PackageNotFoundError:
-        missing.append(w)
-print("installing", len(missing), "wheels:", " ".join(os.path.basename(w).split("-")[0] for w in missing))
-if missing:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", *missing], check=True)
-PY
+  install_trainers
   export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
   "$@"
   ;;
+purpose-stage)
+  mkdir -p "$ROOT/bundle" "$SITE" "$ROOT/out"
+  cp .gpu-bundle/b2/cutlass_ir.tar.xz "$ROOT/bundle/"
+  rm -f "$ROOT"/*.done
+  install_trainers
+  copy_repo
+  setsid nohup bash -c "
+    (xz -dc '$ROOT/bundle/cutlass_ir.tar.xz' | tar x -C '$SITE' && touch '$ROOT/b2.done') &
+    cd '$ROOT/repo' && $PURPOSE_ENV python3 benchmarks/gpu/purpose.py --root '$ROOT' --out '$ROOT/purpose.results.json' \
+      --steps target ${PURPOSE_TARGET_ARGS:-} && touch '$ROOT/target.done'
+    wait" > "$ROOT/stage.log" 2>&1 < /dev/null &
+  echo "staging and training the target in the background: $ROOT/stage.log"
+  ;;
+purpose)
+  [ -e "$ROOT/stage.log" ] || { echo "nothing staged under $ROOT: run 'device.sh purpose-stage' first" >&2; exit 3; }
+  if [ ! -e "$ROOT/b1.done" ]; then
+    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"
+  fi
+  for i in $(seq 600); do
+    [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/target.done" ] && break
+    sleep 1
+  done
+  cat "$ROOT/stage.log" | tail -20
+  [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/target.done" ] || { echo "staging did not finish" >&2; exit 3; }
+  [ -e "$ROOT/purpose.pid" ] && kill -- -"$(cat "$ROOT/purpose.pid")" 2>/dev/null || true
+  rm -f "$ROOT/purpose.done"
+  copy_repo
+  setsid nohup bash -c "cd '$ROOT/repo' && echo \$\$ > '$ROOT/purpose.pid' && $PURPOSE_ENV \
+    python3 benchmarks/gpu/purpose.py --root '$ROOT' --site '$SITE' --out '$ROOT/purpose.results.json' \
+      --out-dir '$ROOT/out' $*; touch '$ROOT/purpose.done'" > "$ROOT/purpose.log" 2>&1 < /dev/null &
+  sleep 2
+  wait_purpose
+  ;;
+purpose-wait)
+  wait_purpose
+  ;;
 *)
-  echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND..." >&2; exit 2
+  echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND... | purpose-stage | purpose [options] | purpose-wait" >&2; exit 2
   ;;
 esac

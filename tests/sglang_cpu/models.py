@@ -119,19 +119,27 @@ def _edit_config(model_dir: str, edit: Callable[[dict], object]) -> None:
 
 
 def _kimi_k25(out: str, layers: int, dtype: str, seed: int) -> str:
-    """Kimi-K2.5's layout: a KimiK25ForConditionalGeneration config holding a DeepSeek-V3
-    text_config and a (tiny) MoonViT vision_config, text weights under `language_model.`.
-    The text model is also kept as a plain checkpoint in text_model/: transformers has no
+    """Kimi-K2.5's layout around a tiny random DeepSeek-V3 (wrap_kimi_k25)."""
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny("deepseek_v3", os.path.join(tmp, "text_model"), layers, dtype, seed)
+    wrap_kimi_k25(tmp, dtype)
+    os.replace(tmp, out)
+    return out
+
+
+def wrap_kimi_k25(model_dir: str, dtype: str, vocab: int = VOCAB) -> None:
+    """Kimi-K2.5's layout: a KimiK25ForConditionalGeneration config holding the DeepSeek-V3
+    text_config of MODEL_DIR/text_model and a (tiny) MoonViT vision_config, text weights under
+    `language_model.`. The text model stays beside it as a plain checkpoint: transformers has no
     Kimi-K2.5 class, and its text path is exactly that DeepSeek-V3."""
     from safetensors.torch import load_file, save_file
 
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    text = make_tiny("deepseek_v3", os.path.join(tmp, "text_model"), layers, dtype, seed)
+    text = os.path.join(model_dir, "text_model")
     with open(os.path.join(text, "config.json")) as f:
         text_config = json.load(f)
     weights = load_file(os.path.join(text, "model.safetensors"))
-    save_file({f"language_model.{k}": v for k, v in weights.items()}, os.path.join(tmp, "model.safetensors"),
+    save_file({f"language_model.{k}": v for k, v in weights.items()}, os.path.join(model_dir, "model.safetensors"),
               metadata={"format": "pt"})
     config = {
         "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
@@ -143,25 +151,23 @@ def _kimi_k25(out: str, layers: int, dtype: str, seed: int) -> str:
                           "vt_hidden_size": 32, "vt_num_hidden_layers": 1, "vt_num_attention_heads": 2,
                           "vt_intermediate_size": 64,  # the projector reads the vt_* names
                           "mm_hidden_size": 32, "text_hidden_size": text_config["hidden_size"]},
-        "media_placeholder_token_id": VOCAB - 3, "pad_token_id": 0,
+        "media_placeholder_token_id": vocab - 3, "pad_token_id": 0,
     }
-    with open(os.path.join(tmp, "config.json"), "w") as f:
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    _kimi_processor(tmp)
-    os.replace(tmp, out)
-    return out
+    _kimi_processor(model_dir, vocab)
 
 
-def _kimi_processor(model_dir: str) -> None:
+def _kimi_processor(model_dir: str, vocab: int = VOCAB) -> None:
     """SGLang loads a multimodal model's processor even with --skip-tokenizer-init, and its
     Kimi-K2.5 processor wants Moonshot's remote-code one (media_processor): a word-level
     tokenizer plus the stand-in in remote_code/, loaded with --trust-remote-code."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(VOCAB - 3)}
-    vocab.update({"<|media_pad|>": VOCAB - 3, "<|kimi_k25_video_placeholder|>": VOCAB - 2, "<unk>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words = {f"t{i}": i for i in range(vocab - 3)}
+    words.update({"<|media_pad|>": vocab - 3, "<|kimi_k25_video_placeholder|>": vocab - 2, "<unk>": vocab - 1})
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t0", eos_token="t1",
                             pad_token="t0").save_pretrained(model_dir)

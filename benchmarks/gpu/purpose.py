@@ -1,0 +1,442 @@
+"""Capture -> train -> serve on a machine with an NVIDIA GPU: does a drafter trained on
+hs_capture's dump speed up the target it was captured from?
+
+One run, every step resumable (a step whose result is in the results file is skipped):
+  target     a Kimi-K2.5-shaped target trained on a seeded synthetic language (language.py)
+             until its greedy predictions are confident
+  capture    the real SGLang serving it: `off` = the plain server (the flags `hscap serve`
+             adds, no hook), `on` = `hscap serve --layers 2,3,5 --prenorm` (SGLang's defaults:
+             overlap scheduler, decode CUDA graphs), same load: the training and held-out texts
+             (prefill tokens/s) and greedy generations one at a time (decode tokens/s);
+             `wrong` = the hook on layers 1,2,4 (one below each: the wrong-layers control's data)
+  verify     `hscap verify --dataset --reference` of the `on` dump (transformers on the GPU)
+  data       merge (SpecForge format): train, held-out, wrong layers; the shifted control = the
+             train files with every state moved one token later (the off-by-one a capture bug gives)
+  train      SpecForge's own `specforge train`, a 1-layer EAGLE-3 drafter each, evaluated by
+             SpecForge's own evaluator on the held-out merge (`eval/avg_acc`: top-1 agreement
+             with the target's next token): right (merged), right (straight from the dump via
+             `hscap train specforge`), shifted, wrong layers, untrained (one step at lr 1e-10)
+  serve      SGLang's own EAGLE-3 (`--speculative-algorithm EAGLE3`) with the trained and the
+             untrained drafter, the same generations as `off` (the no-speculation baseline):
+             accept length, decode tokens/s, greedy outputs compared
+
+usage: python benchmarks/gpu/purpose.py --root DIR --site SITE --out RESULTS.json [--steps ...]
+(bash benchmarks/gpu/device.sh purpose ... stages SITE and runs it; benchmarks/README.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import language  # noqa: E402
+from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, read_jsonl  # noqa: E402
+
+RIGHT, WRONG = "2,3,5", "1,2,4"
+SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"]
+
+
+class Run:
+    def __init__(self, a) -> None:
+        self.a = a
+        self.root = a.root
+        self.model = os.path.join(a.root, "model")
+        self.data = os.path.join(a.root, "data")
+        self.work = os.path.join(a.root, "work")
+        os.makedirs(self.data, exist_ok=True)
+        os.makedirs(self.work, exist_ok=True)
+        self.res: Dict[str, object] = {}
+        if os.path.exists(a.out):
+            with open(a.out) as f:
+                self.res = json.load(f)
+        site = a.site
+        base = {k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")}
+        # the server's packages (sglang's bundle) only where a server runs: the trainers keep the
+        # machine's own transformers
+        self.server_env = {**base, "PYTHONPATH": os.pathsep.join(
+            p for p in (site, site and os.path.join(site, "nvidia_cutlass_dsl", "python_packages"), REPO) if p)}
+        self.tool_env = {**base, "PYTHONPATH": REPO}
+
+    def save(self) -> None:
+        self.res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        with open(self.a.out + ".tmp", "w") as f:
+            json.dump(self.res, f, indent=1)
+        os.replace(self.a.out + ".tmp", self.a.out)
+
+    def step(self, name: str, fn) -> None:
+        if name in self.res and "error" not in self.res[name]:
+            print(f"== {name}: done earlier", flush=True)
+            return
+        print(f"== {name}", flush=True)
+        t0 = time.time()
+        try:
+            self.res[name] = fn()
+        except Exception as e:  # one step's failure is a result: the others still run
+            self.res[name] = {"error": f"{type(e).__name__}: {str(e)[-3000:]}"}
+            print(self.res[name]["error"], flush=True)
+        if isinstance(self.res[name], dict):
+            self.res[name]["wall_s"] = round(time.time() - t0, 1)
+        self.save()
+
+    # -- target and load ---------------------------------------------------------------------
+    def target(self) -> dict:
+        if not os.path.exists(os.path.join(self.model, "target_training.json")):
+            language.train(self.model, self.a.target_steps, self.a.target_size)
+        with open(os.path.join(self.model, "target_training.json")) as f:
+            out = json.load(f)
+        g = language.Grammar(0)
+        language.write_jsonl(os.path.join(self.data, "train.jsonl"), g, "train", self.a.samples, 256, 512, 1)
+        language.write_jsonl(os.path.join(self.data, "heldout.jsonl"), g, "held", 64, 256, 512, 2)
+        rng = random.Random(3)
+        with open(os.path.join(self.data, "prompts.jsonl"), "w") as f:
+            for i in range(self.a.prompts):
+                f.write(json.dumps({"id": f"gen-{i}", "input_ids": g.text(rng, 64)}) + "\n")
+        return out
+
+    # -- servers -----------------------------------------------------------------------------
+    def flags(self, port: int, model: str) -> List[str]:
+        return ["--model-path", model, *self.a.server_flags.split(), "--trust-remote-code",
+                "--host", "127.0.0.1", "--port", str(port)]
+
+    def serve(self, kind: str, dump: Optional[str] = None, layers: str = "", spec: Optional[str] = None,
+              send: bool = True, generate: bool = True, model: Optional[str] = None) -> dict:
+        model = model or self.model
+        port = free_port()
+        if kind.endswith("off") or spec:
+            # exactly what `hscap serve` runs, without the hook (its own dry run says what)
+            dry = subprocess.run([*HSCAP, "serve", "-d", os.path.join(self.work, "unused"), "--dry-run", "--",
+                                  *self.flags(port, model)], env=self.server_env, capture_output=True, text=True, check=True)
+            cmd = dry.stdout.strip().splitlines()[-1].split()
+            cmd += SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
+        else:
+            cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if kind == "on" else []), "--",
+                   *self.flags(port, model)]
+        env = {**self.server_env}
+        log_path = os.path.join(self.work, f"server-{kind}.log")
+        srv = Server(cmd, env, log_path, port)
+        res: Dict[str, object] = {"command": " ".join(x if not x.startswith("/") else os.path.basename(x)
+                                                      for x in cmd[:3] + cmd[3:])[:600]}
+        try:
+            res["startup_s"] = round(srv.wait_healthy(), 1)
+            if send:
+                for name in ("heldout", "train"):  # the first warms SGLang's kernels up
+                    s = hscap_json("send", os.path.join(self.data, f"{name}.jsonl"), "--url", srv.url, "-c", "64",
+                                   env=self.tool_env)
+                    res[f"send_{name}"] = {k: s.get(k) for k in ("sent", "failed", "tokens", "tokens_per_s", "wall_s")
+                                           if k in s} or s
+            if generate:
+                res["generate"] = self.generate(srv.url, kind)
+        finally:
+            res["stop_s"] = round(srv.stop(), 1)
+            log = srv.log()
+            res["hs_dump_lines"] = [x[-220:] for x in log.splitlines() if "[HS_DUMP]" in x][:8]
+            res["accept_lines"] = [x[-220:] for x in log.splitlines() if "accept len" in x.lower()][-3:]
+            if self.a.out_dir:
+                shutil.copy(log_path, os.path.join(self.a.out_dir, f"server-{kind}.log"))
+        return res
+
+    def generate(self, url: str, kind: str) -> dict:
+        """Greedy generations, one request at a time (where speculation pays most), after 4
+        warm-up requests: decode tokens/s, accept length from SGLang's own counters, and how
+        many outputs equal the plain server's (`off`) token for token."""
+        rows = read_jsonl(os.path.join(self.data, "prompts.jsonl"))
+
+        def one(row):
+            body = json.dumps({"input_ids": row["input_ids"], "sampling_params": {
+                "max_new_tokens": self.a.new_tokens, "temperature": 0, "ignore_eos": True}}).encode()
+            req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.loads(r.read())
+
+        for row in rows[:4]:
+            one(row)
+        outs, t0 = [], time.monotonic()
+        for row in rows:
+            outs.append(one(row))
+        wall = time.monotonic() - t0
+        toks = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        verify = [o["meta_info"].get("spec_verify_ct") for o in outs]
+        res = {"requests": len(outs), "new_tokens": toks, "wall_s": round(wall, 2),
+               "decode_tokens_per_s": round(toks / wall, 1)}
+        if all(v for v in verify):
+            res["accept_length"] = round(toks / sum(verify), 3)
+        ids = [o.get("output_ids") for o in outs]
+        with open(os.path.join(self.work, f"outputs-{kind}.json"), "w") as f:
+            json.dump(ids, f)
+        base = os.path.join(self.work, "outputs-off.json")
+        if kind != "off" and os.path.exists(base):
+            with open(base) as f:
+                res["outputs_equal_off"] = f"{sum(a == b for a, b in zip(ids, json.load(f)))}/{len(ids)}"
+        return res
+
+    def sent(self, path: str) -> str:
+        with open(path, "w") as f:
+            for name in ("train", "heldout"):
+                with open(os.path.join(self.data, f"{name}.jsonl")) as g:
+                    f.write(g.read())
+        return path
+
+    def verify(self, kind: str = "on", model: Optional[str] = None) -> dict:
+        doc = hscap_json("verify", os.path.join(self.work, f"dump-{kind}"), "--dataset",
+                         self.sent(os.path.join(self.data, "sent.jsonl")), "-j", "16", "--reference",
+                         os.path.join(model or self.model, "text_model"), "--reference-samples", "8",
+                         "--reference-device", self.a.reference_device, "--max-findings", "5", env=self.tool_env)
+        st = doc.get("stats", {})
+        return {"ok": doc.get("ok"), "samples_complete": st.get("samples_complete"),
+                "samples_incomplete": st.get("samples_incomplete"), "fidelity": st.get("reference_states"),
+                "findings": [f.get("message", "")[:200] for f in doc.get("findings", [])][:6]}
+
+    # -- training data -----------------------------------------------------------------------
+    def merge(self, dump: str, out: str, dataset: str) -> dict:
+        doc = hscap_json("merge", dump, "-o", out, "--format", "specforge", "--dataset", dataset, "-j", "8",
+                         "--overwrite", env=self.tool_env)
+        with open(os.path.join(out, "trainer_settings.json")) as f:
+            settings = json.load(f)
+        return {"written": doc.get("written", doc.get("stats")), "trainer_settings": settings}
+
+    def data_step(self) -> dict:
+        import torch
+
+        sf = lambda n: os.path.join(self.work, f"sf-{n}")  # noqa: E731
+        out = {"train": self.merge(os.path.join(self.work, "dump-on"), sf("train"), os.path.join(self.data, "train.jsonl")),
+               "heldout": self.merge(os.path.join(self.work, "dump-on"), sf("heldout"),
+                                     os.path.join(self.data, "heldout.jsonl")),
+               "wrong": self.merge(os.path.join(self.work, "dump-wrong"), sf("wrong"),
+                                   os.path.join(self.data, "train.jsonl"))}
+        # the shifted control: token t paired with the states of token t-1 (row 0 repeated)
+        os.makedirs(sf("shifted"), exist_ok=True)
+        n = 0
+        for path in glob.glob(os.path.join(sf("train"), "**", "*.ckpt"), recursive=True):
+            d = torch.load(path)
+            for k in ("aux_hidden_state", "hidden_state"):
+                t = d[k]
+                d[k] = torch.cat([t[:, :1], t[:, :-1]], dim=1).contiguous()
+            torch.save(d, os.path.join(sf("shifted"), os.path.basename(path)))
+            n += 1
+        out["shifted"] = {"written": n}
+        return out
+
+    # -- drafters ----------------------------------------------------------------------------
+    def draft_config(self) -> str:
+        with open(os.path.join(self.model, "text_model", "config.json")) as f:
+            t = json.load(f)
+        ids = self.res["data"]["train"]["trainer_settings"]
+        ids = ids.get("settings", ids)
+        eagle_ids = next((v for k, v in _flat(ids).items() if k.endswith("eagle_aux_hidden_state_layer_ids")), None)
+        path = os.path.join(self.work, "draft.json")
+        with open(path, "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                       "hidden_size": t["hidden_size"], "intermediate_size": 2816, "num_attention_heads": 8,
+                       "num_key_value_heads": 8, "num_hidden_layers": 1, "vocab_size": t["vocab_size"],
+                       "draft_vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+                       "hidden_act": "silu", "pad_token_id": 0, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                       "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": eagle_ids}}, f)
+        return path
+
+    def specforge_start(self, tag: str, data: str, steps: int, lr: float, port: int, from_dump: bool = False):
+        """Start SpecForge's own trainer on DATA (its own torchrun master port: the drafters
+        train side by side on the one GPU); returns what specforge_finish needs."""
+        out_dir = os.path.join(self.work, f"sf-out-{tag}")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        draft = self.draft_config()
+        with open(draft) as f:
+            ids = json.load(f)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        cfg = os.path.join(self.work, f"sf-{tag}.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"""model:
+  target_model_path: {self.model}/text_model
+  aux_hidden_state_layer_ids: {json.dumps(ids)}
+  torch_dtype: bfloat16
+  draft_model_config: {draft}
+data:
+  hidden_states_path: {data}
+  eval_hidden_states_path: {self.work}/sf-heldout
+  cache_dir: {self.work}/sf-cache-{tag}
+deployment:
+  trainer:
+    nproc_per_node: 1
+    master_port: {port}
+training:
+  batch_size: {self.a.batch}
+  num_epochs: 100
+  max_steps: {steps}
+  learning_rate: {lr}
+  eval_interval: {steps}
+  save_interval: {steps}
+  log_interval: 50
+  seed: 0
+output_dir: {out_dir}
+""")
+        cmd = (["specforge", "train", "--config", cfg] if not from_dump else
+               [*HSCAP, "train", "specforge", "--dataset", os.path.join(self.data, "train.jsonl"), "--", "--config", cfg])
+        log = os.path.join(self.work, f"sf-{tag}.log")
+        f = open(log, "w")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.tool_env, cwd=REPO)
+        return {"tag": tag, "proc": p, "logf": f, "log": log, "out_dir": out_dir, "draft": draft, "t0": time.time(),
+                "res": {"steps": steps, "lr": lr, "data": os.path.basename(data), "from_dump": from_dump}}
+
+    def specforge_finish(self, run: dict) -> dict:
+        """Wait for the trainer; SpecForge's own held-out evaluation; export for SGLang."""
+        rc = run["proc"].wait()
+        run["logf"].close()
+        res = {**run["res"], "exit": rc, "train_s": round(time.time() - run["t0"], 1)}
+        text = open(run["log"]).read()
+        if self.a.out_dir:
+            shutil.copy(run["log"], os.path.join(self.a.out_dir, os.path.basename(run["log"])))
+        metas = glob.glob(os.path.join(run["out_dir"], "*.best_meta.json"))
+        if rc or not metas:
+            res["log_tail"] = text[-2500:]
+            return res
+        with open(metas[0]) as f:
+            m = json.load(f)["metrics"]
+        res.update(heldout_top1=round(m["eval/avg_acc"], 4),
+                   per_position_acc=[round(x, 4) for x in m.get("eval/per_position_acc", [])],
+                   simulated_acc_len=round(m.get("eval/simulated_acc_len", 0), 3),
+                   eval_loss=round(m.get("eval/avg_loss", 0), 4))
+        exported = os.path.join(self.work, f"drafter-{run['tag']}")
+        shutil.rmtree(exported, ignore_errors=True)
+        e = subprocess.run(["specforge", "export", "--to", "sglang", "--checkpoint", run["out_dir"], "--draft-config",
+                            run["draft"], "--output-dir", exported], capture_output=True, text=True, env=self.tool_env)
+        res["export_exit"] = e.returncode
+        if e.returncode:
+            res["export_tail"] = (e.stdout + e.stderr)[-2000:]
+        return res
+
+    def train(self) -> dict:
+        """The drafters, side by side: right (merged), right straight from the dump, the
+        shifted and wrong-layer controls, and an untrained one (a single step at lr 1e-10)."""
+        w, n, lr = self.work, self.trained_steps(), self.a.lr
+        index = os.path.join(self.model, "text_model", "model.safetensors.index.json")
+        if not os.path.exists(index):  # SpecForge finds the target's head through the index
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(self.model, "text_model", "model.safetensors"), "pt") as f:
+                json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}, open(index, "w"))
+        jobs = [("right", os.path.join(w, "sf-train"), n, lr, False),
+                ("dump", os.path.join(w, "dump-on"), n, lr, True),
+                ("shifted", os.path.join(w, "sf-shifted"), n, lr, False),
+                ("wrong", os.path.join(w, "sf-wrong"), n, lr, False),
+                ("untrained", os.path.join(w, "sf-train"), 1, 1e-10, False)]
+        runs = [self.specforge_start(tag, data, steps, rate, 29500 + 7 * i, dump)
+                for i, (tag, data, steps, rate, dump) in enumerate(jobs)]
+        out = {run["tag"]: self.specforge_finish(run) for run in runs}
+        failed = [t for t, r in out.items() if r.get("exit") or "heldout_top1" not in r]
+        if failed:  # a rerun trains them again
+            out["error"] = f"failed: {failed}"
+        return out
+
+    def quantized(self) -> str:
+        import int4
+
+        out = os.path.join(self.root, "model-int4")
+        if not os.path.exists(os.path.join(out, "config.json")):
+            self.res["int4"] = int4.main(self.model, out)
+        return out
+
+    def trained_steps(self) -> int:
+        return self.a.epochs * self.a.samples // self.a.batch
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in (d.items() if isinstance(d, dict) else []):
+        out[prefix + k] = v
+        out.update(_flat(v, prefix + k + "."))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True, help="work dir: model, data, dumps, drafters")
+    ap.add_argument("--site", default="", help="the sglang bundle's site dir (device.sh stages it)")
+    ap.add_argument("--out", required=True, help="the results file (a rerun resumes from it)")
+    ap.add_argument("--out-dir", help="also copy the logs here")
+    ap.add_argument("--target-steps", type=int, default=400)
+    ap.add_argument("--target-size", choices=sorted(language.SIZES), default="gpu")
+    ap.add_argument("--reference-device", default="cuda")
+    ap.add_argument("--samples", type=int, default=512, help="training texts captured (256-512 tokens each)")
+    ap.add_argument("--prompts", type=int, default=32, help="greedy generations per server")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS))
+    ap.add_argument("--steps", default="target,off,on,wrong,verify,data,train,spec_untrained,spec_right,"
+                                       "int4_on,int4_verify,int4_off",
+                    help="which steps, in order")
+    a = ap.parse_args()
+    r = Run(a)
+    try:
+        import torch
+
+        r.res.setdefault("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    except Exception as e:
+        r.res.setdefault("device", f"? ({e})")
+    steps = {
+        "target": r.target,
+        "off": lambda: r.serve("off"),
+        "on": lambda: r.serve("on", os.path.join(r.work, "dump-on"), RIGHT),
+        "wrong": lambda: r.serve("wrong", os.path.join(r.work, "dump-wrong"), WRONG, generate=False),
+        "verify": r.verify,
+        "data": r.data_step,
+        "train": r.train,
+        "spec_untrained": lambda: r.serve("spec_untrained", spec=os.path.join(r.work, "drafter-untrained"), send=False),
+        "spec_right": lambda: r.serve("spec_right", spec=os.path.join(r.work, "drafter-right"), send=False),
+        # the routed experts in int4 as Kimi-K2.5 ships them: plain and hooked server, verified
+        # against transformers on the dequantized weights
+        "int4_off": lambda: r.serve("int4_off", model=r.quantized()),
+        "int4_on": lambda: r.serve("int4_on", os.path.join(r.work, "dump-int4_on"), RIGHT, model=r.quantized()),
+        "int4_verify": lambda: r.verify("int4_on", r.quantized()),
+    }
+    for name in a.steps.split(","):
+        r.step(name, steps[name])
+    r.res["summary"] = summarize(r.res)
+    print(json.dumps(r.res["summary"], indent=1), flush=True)
+    r.save()
+
+
+def summarize(res: dict) -> dict:
+    """The four answers, from the steps' results."""
+    gen = lambda k: (res.get(k) or {}).get("generate") or {}  # noqa: E731
+    tps = lambda k: ((res.get(k) or {}).get("send_train") or {}).get("tokens_per_s")  # noqa: E731
+    t = res.get("target") or {}
+    s: Dict[str, object] = {"target_greedy_accuracy": (t.get("after_bf16_weights") or {}).get("greedy_accuracy"),
+                            "target_mean_top1_prob": (t.get("after_bf16_weights") or {}).get("mean_top1_prob"),
+                            "language_best_possible": t.get("oracle_accuracy")}
+    for pre in ("", "int4_"):
+        if tps(pre + "off") and tps(pre + "on"):
+            s[pre + "prefill_on_over_off"] = round(tps(pre + "on") / tps(pre + "off"), 3)
+        if gen(pre + "off").get("decode_tokens_per_s") and gen(pre + "on").get("decode_tokens_per_s"):
+            s[pre + "decode_on_over_off"] = round(gen(pre + "on")["decode_tokens_per_s"] /
+                                                  gen(pre + "off")["decode_tokens_per_s"], 3)
+    for k in ("verify", "int4_verify"):
+        v = res.get(k) or {}
+        s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
+    s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in (res.get("train") or {}).items() if isinstance(v, dict)}
+    s["heldout_simulated_accept_length"] = {k: v.get("simulated_acc_len") for k, v in (res.get("train") or {}).items()
+                                            if isinstance(v, dict)}
+    no_spec = gen("off").get("decode_tokens_per_s")
+    s["decode"] = {"no_spec": {"decode_tokens_per_s": no_spec}}
+    for k in ("spec_untrained", "spec_right"):
+        g = gen(k)
+        if g:
+            s["decode"][k] = {"accept_length": g.get("accept_length"), "decode_tokens_per_s": g.get("decode_tokens_per_s"),
+                              "over_no_spec": round(g["decode_tokens_per_s"] / no_spec, 3) if no_spec else None,
+                              "outputs_equal_no_spec": g.get("outputs_equal_off")}
+    return s
+
+
+if __name__ == "__main__":
+    main()
