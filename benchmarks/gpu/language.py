@@ -60,11 +60,18 @@ class Grammar:
             p = rng.choices(self.successors[p], SUCCESSOR_WEIGHTS)[0]
         return out[:length]
 
-    def oracle(self, rng: random.Random, n: int = 2000) -> float:
-        """The next-token accuracy of the best possible predictor (a phrase's end: its likeliest
-        successor), averaged over a walk's positions."""
-        tokens = sum(len(self.phrases[p]) for p in range(PHRASES))
-        return (tokens - PHRASES + PHRASES * SUCCESSOR_WEIGHTS[0]) / tokens
+    def oracle(self, rng: random.Random, phrases: int = 20000) -> float:
+        """The next-token accuracy of the best possible predictor over a long walk: every token
+        inside a phrase is right; at a phrase's end, the likeliest next first token."""
+        tokens, missed, p = 0, 0.0, rng.randrange(PHRASES)
+        for _ in range(phrases):
+            tokens += len(self.phrases[p])
+            by_first: Dict[int, float] = {}
+            for q, w in zip(self.successors[p], SUCCESSOR_WEIGHTS):
+                by_first[self.phrases[q][0]] = by_first.get(self.phrases[q][0], 0.0) + w
+            missed += 1.0 - max(by_first.values())
+            p = rng.choices(self.successors[p], SUCCESSOR_WEIGHTS)[0]
+        return 1.0 - missed / tokens
 
 
 def write_jsonl(path: str, grammar: Grammar, prefix: str, n: int, lo: int, hi: int, seed: int) -> None:

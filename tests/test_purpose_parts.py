@@ -1,0 +1,84 @@
+"""The pure parts of the GPU proof of purpose (benchmarks/gpu/purpose.py): the synthetic
+language the target learns, and the int4 expert packing checked with compressed-tensors' own
+unpacker (the code SGLang's loader relies on for that format)."""
+
+import json
+import os
+import random
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks", "gpu"))
+
+import language  # noqa: E402
+
+
+def test_language_is_seeded_and_walks_its_phrases():
+    a, b, c = language.Grammar(0), language.Grammar(0), language.Grammar(1)
+    assert a.phrases == b.phrases and a.successors == b.successors
+    assert a.phrases != c.phrases
+    text = a.text(random.Random(5), 400)
+    assert text == b.text(random.Random(5), 400) and len(text) == 400
+    assert all(language.FIRST_ID <= t < language.FIRST_ID + language.ALPHABET for t in text)
+    # the text is a walk: it parses greedily into phrases, each one a successor of the one before
+    i, prev = 0, None
+    while i + 8 < len(text):
+        nxt = [p for p in (a.successors[prev] if prev is not None else range(language.PHRASES))
+               if text[i:i + len(a.phrases[p])] == a.phrases[p]]
+        assert nxt, f"no phrase starts at {i}"
+        prev = nxt[0]
+        i += len(a.phrases[prev])
+
+
+def test_best_possible_accuracy_follows_the_successor_weights():
+    g = language.Grammar(0)
+    best = g.oracle(random.Random(0))
+    mean_len = sum(map(len, g.phrases)) / len(g.phrases)
+    # one uncertain position per phrase, right at most 60% of the time
+    assert 1 - 0.4 / (mean_len - 1.5) < best < 1 - 0.4 / (mean_len + 1.5)
+
+
+def test_int4_packing_is_what_compressed_tensors_unpacks():
+    torch = pytest.importorskip("torch")
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    import int4
+
+    w = torch.randn(48, 128) * 0.05
+    packed, scale, deq = int4.quantize(w)
+    assert packed.dtype == torch.int32 and packed.shape == (48, 16) and scale.shape == (48, 128 // int4.GROUP)
+    q = helpers.unpack_from_int32(packed, 4, torch.Size([48, 128]))
+    assert int(q.min()) >= -8 and int(q.max()) <= 7
+    assert torch.equal(helpers.pack_to_int32(q.to(torch.int8), 4), packed)
+    rebuilt = (q.float().reshape(48, -1, int4.GROUP) * scale.float().unsqueeze(-1)).reshape(48, 128)
+    assert torch.equal(rebuilt, deq)
+    assert (deq - w).abs().max() <= scale.float().max() / 2 + 1e-6  # rounding, never clipping
+
+
+def test_int4_checkpoint_keeps_the_release_layout(tmp_path):
+    pytest.importorskip("torch")
+    from safetensors import safe_open
+    from tests.sglang_cpu import models
+
+    import int4
+
+    src = models.make_tiny("kimi_k25", str(tmp_path / "kimi"), layers=3)
+    out = str(tmp_path / "kimi-int4")
+    res = int4.main(src, out)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"]
+    assert cfg["quantization_config"]["format"] == "pack-quantized"
+    with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    experts = [k for k in keys if ".mlp.experts." in k]
+    assert experts and all(k.endswith((".weight_packed", ".weight_scale", ".weight_shape")) for k in experts)
+    assert res["experts_quantized"] == len(experts) // 3
+    # attention, shared experts and the dense layer stay as they were
+    assert "language_model.model.layers.0.mlp.gate_proj.weight" in keys
+    assert any(".shared_experts." in k and k.endswith(".weight") for k in keys)
+    with safe_open(os.path.join(out, "text_model", "model.safetensors"), "pt") as f:
+        ref_keys = set(f.keys())
+    with safe_open(os.path.join(src, "text_model", "model.safetensors"), "pt") as f:
+        assert ref_keys == set(f.keys())
