@@ -159,3 +159,33 @@ def test_doctor_reports_the_writer_threads_the_server_will_use_and_blocks_a_bad_
     code, f = in_process(flags)
     assert code == 1 and f["settings"].status == "block" and "outside 1..5" in f["settings"].detail
     assert not (tmp_path / "dump").exists()  # a check creates nothing
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 4], [2, 3, 4], None])
+def test_a_speculating_server_names_both_layer_sets(tmp_path, monkeypatch, ids):
+    """The drafter's layers are what SGLang's own set_eagle3_layers_to_capture makes of its
+    config's ids (run here on the installed release); the hook's are HSCAP_LAYERS."""
+    from tests.sglang_cpu.eagle_ids_probe import layers_for
+
+    monkeypatch.setenv("HSCAP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("HSCAP_LAYERS", "1,4")
+    monkeypatch.syspath_prepend(HOOK)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 6}))
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"],
+                                                   **({"eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+                                                      if ids else {})}))
+    code, f = in_process(("--model-path", str(model), "--disable-cuda-graph", "--disable-radix-cache",
+                          "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft)))
+    served = layers_for("deepseek_v3", ids, 6)  # ids None: the release's default
+    detail = f["speculative decoding"].detail
+    assert code == 0 and f["speculative decoding"].status == "info", detail
+    assert f"the drafter gets layers {served}" in detail and "the hook captures layers [1, 4]" in detail
+    assert "never captured" in detail
+    # a drafter that is not local: its layers are named once the server loads it
+    _, f = in_process(("--model-path", str(model), "--disable-cuda-graph", "--speculative-algorithm", "EAGLE3",
+                       "--speculative-draft-model-path", "org/remote-draft"))
+    assert "the server log names them" in f["speculative decoding"].detail

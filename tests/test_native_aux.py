@@ -41,6 +41,10 @@ def test_the_hook_and_sglangs_native_aux_capture_both_return_their_own_layers(ti
                 got[rid] = np.array(json.loads(r.read())["meta_info"]["hidden_states"][0], dtype=np.float32)
     finally:
         srv.stop()
+    # the server log names both layer sets: SGLang's own (handed to it alone) and the hook's
+    log = open(str(tmp_path / "server.log")).read()
+    assert (f"layer sets: SGLang's own capture (a speculative drafter, or its aux-state flag) takes layers "
+            f"{NATIVE_LAYERS}, handed to it alone; the hook captures {[int(x) for x in OURS.split(',')]}") in log
     for rid, ids in prompts.items():
         ref = hf_hidden_states(tiny_model, ids)
         a = got[rid]

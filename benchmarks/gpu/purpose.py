@@ -19,6 +19,11 @@ One run, every step resumable (a step whose result is in the results file is ski
   serve      SGLang's own EAGLE-3 (`--speculative-algorithm EAGLE3`) with the trained and the
              untrained drafter, the same generations as `off` (the no-speculation baseline):
              accept length, decode tokens/s, greedy outputs compared
+  spec_hooked  the trained drafter's server again, with the hook on layers 1,4 (not the
+             drafter's 2,3,5): accept length and decode tokens/s beside spec_right's, greedy
+             outputs, and `hscap verify --dataset --reference` of what it captured
+  int4_*     the routed experts packed as Kimi-K2.5 ships them (int4.py): the hooked and the
+             plain server, verify against transformers on the dequantized weights
 
 usage: python benchmarks/gpu/purpose.py --root DIR --site SITE --out RESULTS.json [--steps ...]
 (bash benchmarks/gpu/device.sh purpose ... stages SITE and runs it; benchmarks/README.md)
@@ -43,7 +48,7 @@ sys.path.insert(0, HERE)
 import language  # noqa: E402
 from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, read_jsonl  # noqa: E402
 
-RIGHT, WRONG = "2,3,5", "1,2,4"
+RIGHT, WRONG, SPEC_HOOK = "2,3,5", "1,2,4", "1,4"
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"]
 
@@ -114,15 +119,16 @@ class Run:
               send: bool = True, generate: bool = True, model: Optional[str] = None) -> dict:
         model = model or self.model
         port = free_port()
-        if kind.endswith("off") or spec:
+        spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
+        if dump is None:
             # exactly what `hscap serve` runs, without the hook (its own dry run says what)
             dry = subprocess.run([*HSCAP, "serve", "-d", os.path.join(self.work, "unused"), "--dry-run", "--",
-                                  *self.flags(port, model)], env=self.server_env, capture_output=True, text=True, check=True)
-            cmd = dry.stdout.strip().splitlines()[-1].split()
-            cmd += SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
+                                  *self.flags(port, model)], env=self.server_env, capture_output=True, text=True,
+                                 check=True)
+            cmd = dry.stdout.strip().splitlines()[-1].split() + spec_flags
         else:
             cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if kind == "on" else []), "--",
-                   *self.flags(port, model)]
+                   *self.flags(port, model), *spec_flags]
         env = {**self.server_env}
         log_path = os.path.join(self.work, f"server-{kind}.log")
         srv = Server(cmd, env, log_path, port)
@@ -141,7 +147,8 @@ class Run:
         finally:
             res["stop_s"] = round(srv.stop(), 1)
             log = srv.log()
-            res["hs_dump_lines"] = [x[-220:] for x in log.splitlines() if "[HS_DUMP]" in x][:8]
+            res["hs_dump_lines"] = [x[-240:] for x in log.splitlines()
+                                    if "[HS_DUMP]" in x and "hooks installed" not in x][:12]
             res["accept_lines"] = [x[-220:] for x in log.splitlines() if "accept len" in x.lower()][-3:]
             if self.a.out_dir:
                 shutil.copy(log_path, os.path.join(self.a.out_dir, f"server-{kind}.log"))
@@ -374,7 +381,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS))
     ap.add_argument("--steps", default="target,off,on,wrong,verify,data,train,spec_untrained,spec_right,"
-                                       "int4_on,int4_verify,int4_off",
+                                       "spec_hooked,spec_hooked_verify,int4_on,int4_verify,int4_off",
                     help="which steps, in order")
     a = ap.parse_args()
     r = Run(a)
@@ -392,8 +399,13 @@ def main() -> None:
         "verify": r.verify,
         "data": r.data_step,
         "train": r.train,
-        "spec_untrained": lambda: r.serve("spec_untrained", spec=os.path.join(r.work, "drafter-untrained"), send=False),
-        "spec_right": lambda: r.serve("spec_right", spec=os.path.join(r.work, "drafter-right"), send=False),
+        "spec_untrained": lambda: r.serve("spec_untrained", spec=os.path.join(r.work, "drafter-untrained")),
+        "spec_right": lambda: r.serve("spec_right", spec=os.path.join(r.work, "drafter-right")),
+        # capture from a server that already speculates: the same server, flags, drafter and load
+        # as spec_right, with the hook on other layers (1,4) than the drafter's (2,3,5)
+        "spec_hooked": lambda: r.serve("spec_hooked", os.path.join(r.work, "dump-spec_hooked"), SPEC_HOOK,
+                                       spec=os.path.join(r.work, "drafter-right")),
+        "spec_hooked_verify": lambda: r.verify("spec_hooked"),
         # the routed experts in int4 as Kimi-K2.5 ships them: plain and hooked server, verified
         # against transformers on the dequantized weights
         "int4_off": lambda: r.serve("int4_off", model=r.quantized()),
@@ -435,6 +447,15 @@ def summarize(res: dict) -> dict:
             s["decode"][k] = {"accept_length": g.get("accept_length"), "decode_tokens_per_s": g.get("decode_tokens_per_s"),
                               "over_no_spec": round(g["decode_tokens_per_s"] / no_spec, 3) if no_spec else None,
                               "outputs_equal_no_spec": g.get("outputs_equal_off")}
+    hooked, plain = gen("spec_hooked"), gen("spec_right")
+    if hooked and plain:
+        s["speculating_server_hook_on_vs_off"] = {
+            "accept_length_on": hooked.get("accept_length"), "accept_length_off": plain.get("accept_length"),
+            "decode_tokens_per_s_on": hooked.get("decode_tokens_per_s"),
+            "decode_tokens_per_s_off": plain.get("decode_tokens_per_s"),
+            "outputs_equal_no_spec_on": hooked.get("outputs_equal_off"),
+            "layer_lines": [x for x in (res.get("spec_hooked") or {}).get("hs_dump_lines", []) if "layer" in x],
+            "verify": {x: (res.get("spec_hooked_verify") or {}).get(x) for x in ("ok", "samples_complete", "findings")}}
     return s
 
 

@@ -80,8 +80,18 @@ class ModelCapture:
     # we chose: it always assigns a new list, so a list object we did not set is theirs.
     def _sync_host(self, current: List[int]) -> None:
         if self._last_set is not None and current is not self._last_set:
-            self.host_layers = sorted(set(current))
+            host = sorted(set(current))
+            if host != self.host_layers:
+                self.host_layers = host
+                self.log_layer_sets()
             self._lists = None
+
+    def log_layer_sets(self) -> None:
+        """Both layer sets, whenever the host's changes: a speculating server's log shows its
+        drafter keeps its own layers while the hook captures others."""
+        if self.host_layers:
+            log.info("layer sets: SGLang's own capture (a speculative drafter, or its aux-state flag) takes "
+                     "layers %s, handed to it alone; the hook captures %s", self.host_layers, self.layers)
 
     def layers_for(self, model: Any, capturing: bool) -> List[int]:
         """Set (and return) the layers SGLang captures in this forward. The two lists are
@@ -222,6 +232,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     if cfg.prenorm and writer is not None:
         state.hook_prenorm(model.norm)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
+    state.log_layer_sets()
     state.layers_for(model, capturing=True)
     causal_lm.capture_aux_hidden_states = True
     where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads, "

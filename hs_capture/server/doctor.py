@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -213,9 +214,6 @@ def check_flags(ns: Any) -> List[Finding]:
     elif int(flag(ns, "tp_size") or 1) > 1:
         out.append(Finding("tensor parallel", INFO, f"tp {flag(ns, 'tp_size')}: TP rank 0 writes; the others only "
                            "compute (SGLang's capture is taken after the all-reduce)"))
-    if flag(ns, "speculative_algorithm"):
-        out.append(Finding("speculative decoding", INFO, f"{flag(ns, 'speculative_algorithm')}: SGLang's own "
-                           "capture keeps exactly its layers; draft passes are not captured"))
     if flag(ns, "enable_mixed_chunk"):
         out.append(Finding("mixed chunk", INFO, "MIXED batches also carry one decode token per running request; "
                            "send max_new_tokens=1 (hscap send does)"))
@@ -236,10 +234,59 @@ def diagnose(server_argv: Sequence[str] = ()) -> List[Finding]:
     except Exception as e:
         return findings + check_settings() + [
             Finding("flags", WARN, f"could not read the server flags: {type(e).__name__}: {e}")]
-    findings += check_settings(ns=ns) + check_flags(ns)
+    findings += check_settings(ns=ns) + check_flags(ns) + check_speculative(ns)
     if getattr(ns, "model_path", None):
         findings += check_model(ns.model_path)
     return findings
+
+
+def check_speculative(ns: Any, env: Optional[Dict[str, str]] = None) -> List[Finding]:
+    """On a speculating server, both layer sets: the ones the drafter gets (its config's
+    ids through this SGLang's rule for the target's family) and the ones the hook captures."""
+    from hs_capture.dump.layer_ids import sglang_rule
+    from hs_capture.server.sglang_compat import flag, sglang_version
+
+    algo = flag(ns, "speculative_algorithm")
+    if not algo:
+        return []
+    base = f"{algo}: draft passes (draft extend, target verify) are never captured"
+    if str(algo).upper() != "EAGLE3":
+        return [Finding("speculative decoding", INFO, f"{base}; this drafter takes the final state, not layers")]
+    env = dict(os.environ if env is None else env)
+    model = getattr(ns, "model_path", None)
+    try:
+        ours = config_mod.check_checkpoint_layers(env, model, getattr(ns, "json_model_override_args", None))
+    except config_mod.ConfigError:
+        ours = None  # check_settings says why
+    archs = checkpoint_architectures(model) if model else None
+    target = for_architecture(archs[0]) if archs else None
+    num_layers = config_mod.checkpoint_num_layers(model) if model else None
+    draft = flag(ns, "speculative_draft_model_path")
+    ids = _draft_layer_ids(draft)
+    if target is None or num_layers is None or ids is False:
+        theirs = "read from the drafter's config when the server loads it (the server log names them)"
+    else:
+        version = sglang_version()
+        layers = (sglang_rule(target.family, version).apply(ids) if ids is not None
+                  else [2, num_layers // 2, num_layers - 3])
+        how = (f"its ids {ids} under sglang {version}'s {target.family} rule" if ids is not None
+               else "SGLang's default [2, N//2, N-3]: the drafter names no ids")
+        theirs = f"layers {layers} ({how})"
+    hook = f"layers {ours}" if ours is not None else "the layers the server log names"
+    return [Finding("speculative decoding", INFO, f"{base}; the drafter gets {theirs}, handed to it alone; "
+                    f"the hook captures {hook}")]
+
+
+def _draft_layer_ids(draft: Optional[str]):
+    """The aux-layer ids a local EAGLE-3 draft's config names; None when it names none (SGLang
+    then uses its default); False when there is no local config to read."""
+    try:
+        with open(os.path.join(str(draft), "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, TypeError):
+        return False
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if isinstance(cfg, dict) else None
+    return [int(i) for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
 
 
 def as_dicts(findings: List[Finding]) -> List[Dict[str, str]]:

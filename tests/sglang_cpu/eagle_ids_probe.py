@@ -49,7 +49,7 @@ def layers_for(family: str, ids, num_layers: int):
         mcls = getattr(importlib.import_module(MODELS[family][0]), MODELS[family][1])
         model.set_eagle3_layers_to_capture = types.MethodType(mcls.set_eagle3_layers_to_capture, model)
     obj.model = model
-    cls.set_eagle3_layers_to_capture(obj, list(ids))
+    cls.set_eagle3_layers_to_capture(obj, None if ids is None else list(ids))  # None: the release's default
     if family in MODELS:  # this family's forward reads the flags on each layer: they must agree
         flagged = [i for i, layer in enumerate(model.layers) if getattr(layer, "_is_layer_to_capture", False)]
         assert flagged == sorted(model.layers_to_capture), (flagged, model.layers_to_capture)
