@@ -54,6 +54,19 @@ copy_repo() {
   rm -rf "$ROOT/repo" && mv "$ROOT/repo.new" "$ROOT/repo"
 }
 
+# chunk 1 unpacked (once), then up to $2 seconds for chunk 2 and the background job's done-file $1
+unpack_and_wait() {
+  if [ ! -e "$ROOT/b1.done" ]; then
+    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"
+  fi
+  for i in $(seq "$2"); do
+    [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/$1" ] && break
+    sleep 1
+  done
+  tail -40 "$ROOT/stage.log"
+  [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/$1" ] || { echo "staging did not finish" >&2; exit 3; }
+}
+
 # up to WAIT seconds for purpose.py; its results and logs go to $RESULTS either way
 wait_purpose() {
   local out=${RESULTS:-$ROOT/results}
@@ -84,15 +97,7 @@ run)
   if [ ! -e "$ROOT/stage.log" ]; then
     echo "nothing staged under $ROOT: run 'bash benchmarks/gpu/device.sh stage' first" >&2; exit 3
   fi
-  if [ ! -e "$ROOT/b1.done" ]; then
-    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"
-  fi
-  for i in $(seq 300); do
-    [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/model.done" ] && break
-    sleep 1
-  done
-  cat "$ROOT/stage.log"
-  [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/model.done" ] || { echo "staging did not finish" >&2; exit 3; }
+  unpack_and_wait model.done 300
   export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/python_packages:$PWD" PYTHONUNBUFFERED=1
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
   export TRITON_CACHE_DIR=$ROOT/cache/triton TVM_FFI_CACHE_DIR=$ROOT/cache/tvm FLASHINFER_WORKSPACE_BASE=$ROOT/cache
@@ -127,15 +132,7 @@ purpose-stage)
   ;;
 purpose)
   [ -e "$ROOT/stage.log" ] || { echo "nothing staged under $ROOT: run 'device.sh purpose-stage' first" >&2; exit 3; }
-  if [ ! -e "$ROOT/b1.done" ]; then
-    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"
-  fi
-  for i in $(seq 600); do
-    [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/target.done" ] && break
-    sleep 1
-  done
-  cat "$ROOT/stage.log" | tail -20
-  [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/target.done" ] || { echo "staging did not finish" >&2; exit 3; }
+  unpack_and_wait target.done 600
   [ -e "$ROOT/purpose.pid" ] && kill -- -"$(cat "$ROOT/purpose.pid")" 2>/dev/null || true
   rm -f "$ROOT/purpose.done"
   copy_repo

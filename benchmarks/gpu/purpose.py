@@ -10,12 +10,15 @@ One run, every step resumable (a step whose result is in the results file is ski
              (prefill tokens/s) and greedy generations one at a time (decode tokens/s);
              `wrong` = the hook on layers 1,2,4 (one below each: the wrong-layers control's data)
   verify     `hscap verify --dataset --reference` of the `on` dump (transformers on the GPU)
-  data       merge (SpecForge format): train, held-out, wrong layers; the shifted control = the
-             train files with every state moved one token later (the off-by-one a capture bug gives)
+  data       merge (SpecForge format): train, held-out, wrong layers; from the train files, the
+             shifted control (every state one token late: the off-by-one a capture bug gives)
+             and the permuted one (the layers concatenated in another order)
   train      SpecForge's own `specforge train`, a 1-layer EAGLE-3 drafter each, evaluated by
              SpecForge's own evaluator on the held-out merge (`eval/avg_acc`: top-1 agreement
              with the target's next token): right (merged), right (straight from the dump via
-             `hscap train specforge`), shifted, wrong layers, untrained (one step at lr 1e-10)
+             `hscap train specforge`), shifted, wrong layers, layers in another order, untrained
+             (one step at lr 1e-10); beside them speculators' own `speculators train` on merge's
+             speculators output of its own prepared dataset (sp_prepare; its validation split)
   serve      SGLang's own EAGLE-3 (`--speculative-algorithm EAGLE3`) with the trained and the
              untrained drafter, the same generations as `off` (the no-speculation baseline):
              accept length, decode tokens/s, greedy outputs compared
@@ -136,14 +139,17 @@ class Run:
                                                       for x in cmd[:3] + cmd[3:])[:600]}
         try:
             res["startup_s"] = round(srv.wait_healthy(), 1)
+            # the held-out texts warm SGLang's kernels up (and are captured); the generations
+            # come before the timed send, so no writer is still busy with 2 GB beside them
             if send:
-                for name in ("heldout", "train"):  # the first warms SGLang's kernels up
-                    s = hscap_json("send", os.path.join(self.data, f"{name}.jsonl"), "--url", srv.url, "-c", "64",
-                                   env=self.tool_env)
-                    res[f"send_{name}"] = {k: s.get(k) for k in ("sent", "failed", "tokens", "tokens_per_s", "wall_s")
-                                           if k in s} or s
+                res["send_heldout"] = self.send(srv.url, os.path.join(self.data, "heldout.jsonl"))
             if generate:
                 res["generate"] = self.generate(srv.url, kind)
+            if send:
+                res["send_train"] = self.send(srv.url, os.path.join(self.data, "train.jsonl"))
+            sp = os.path.join(self.data, "sp")
+            if kind == "on" and os.path.isdir(sp):  # speculators' own dataset of the train texts
+                res["send_sp"] = self.send(srv.url, sp)
         finally:
             res["stop_s"] = round(srv.stop(), 1)
             log = srv.log()
@@ -153,6 +159,10 @@ class Run:
             if self.a.out_dir:
                 shutil.copy(log_path, os.path.join(self.a.out_dir, f"server-{kind}.log"))
         return res
+
+    def send(self, url: str, data: str) -> dict:
+        s = hscap_json("send", data, "--url", url, "-c", "64", env=self.tool_env)
+        return {k: s.get(k) for k in ("sent", "failed", "tokens", "tokens_per_s", "wall_s") if k in s} or s
 
     def generate(self, url: str, kind: str) -> dict:
         """Greedy generations, one request at a time (where speculation pays most), after 4
@@ -206,8 +216,8 @@ class Run:
                 "findings": [f.get("message", "")[:200] for f in doc.get("findings", [])][:6]}
 
     # -- training data -----------------------------------------------------------------------
-    def merge(self, dump: str, out: str, dataset: str) -> dict:
-        doc = hscap_json("merge", dump, "-o", out, "--format", "specforge", "--dataset", dataset, "-j", "8",
+    def merge(self, dump: str, out: str, dataset: str, fmt: str = "specforge") -> dict:
+        doc = hscap_json("merge", dump, "-o", out, "--format", fmt, "--dataset", dataset, "-j", "8",
                          "--overwrite", env=self.tool_env)
         with open(os.path.join(out, "trainer_settings.json")) as f:
             settings = json.load(f)
@@ -222,17 +232,22 @@ class Run:
                                      os.path.join(self.data, "heldout.jsonl")),
                "wrong": self.merge(os.path.join(self.work, "dump-wrong"), sf("wrong"),
                                    os.path.join(self.data, "train.jsonl"))}
-        # the shifted control: token t paired with the states of token t-1 (row 0 repeated)
-        os.makedirs(sf("shifted"), exist_ok=True)
+        # the controls, from the train files: every state one token late (a position off by
+        # one), and the layers concatenated in another order (5,2,3 for 2,3,5)
+        hidden = int(json.load(open(os.path.join(self.model, "text_model", "config.json")))["hidden_size"])
+        for tag in ("shifted", "permuted"):
+            os.makedirs(sf(tag), exist_ok=True)
         n = 0
         for path in glob.glob(os.path.join(sf("train"), "**", "*.ckpt"), recursive=True):
             d = torch.load(path)
-            for k in ("aux_hidden_state", "hidden_state"):
-                t = d[k]
-                d[k] = torch.cat([t[:, :1], t[:, :-1]], dim=1).contiguous()
-            torch.save(d, os.path.join(sf("shifted"), os.path.basename(path)))
+            torch.save(shift_one_token(d), os.path.join(sf("shifted"), os.path.basename(path)))
+            torch.save(rotate_layers(d, hidden), os.path.join(sf("permuted"), os.path.basename(path)))
             n += 1
-        out["shifted"] = {"written": n}
+        out["shifted"] = out["permuted"] = {"written": n}
+        sp = os.path.join(self.data, "sp")
+        if os.path.isdir(sp):
+            out["speculators"] = self.merge(os.path.join(self.work, "dump-on"), os.path.join(sp, "hidden_states"), sp,
+                                            "speculators")
         return out
 
     # -- drafters ----------------------------------------------------------------------------
@@ -335,14 +350,65 @@ output_dir: {out_dir}
                 ("dump", os.path.join(w, "dump-on"), n, lr, True),
                 ("shifted", os.path.join(w, "sf-shifted"), n, lr, False),
                 ("wrong", os.path.join(w, "sf-wrong"), n, lr, False),
+                ("permuted", os.path.join(w, "sf-permuted"), n, lr, False),
                 ("untrained", os.path.join(w, "sf-train"), 1, 1e-10, False)]
         runs = [self.specforge_start(tag, data, steps, rate, 29500 + 7 * i, dump)
                 for i, (tag, data, steps, rate, dump) in enumerate(jobs)]
+        sp = self.speculators_start()  # speculators' own trainer on merge's output, beside them
         out = {run["tag"]: self.specforge_finish(run) for run in runs}
-        failed = [t for t, r in out.items() if r.get("exit") or "heldout_top1" not in r]
+        if sp is not None:
+            out["speculators"] = self.speculators_finish(sp)
+        failed = [t for t, r in out.items() if r.get("exit") or (t != "speculators" and "heldout_top1" not in r)]
         if failed:  # a rerun trains them again
             out["error"] = f"failed: {failed}"
         return out
+
+    def sp_prepare(self) -> dict:
+        """speculators' own prepared dataset of the train texts (sent to the hooked server too)."""
+        text = os.path.join(self.model, "text_model")
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # its tokenizer is the wrapper's
+            if not os.path.exists(os.path.join(text, name)):
+                shutil.copy(os.path.join(self.model, name), text)
+        out = os.path.join(self.data, "sp")
+        shutil.rmtree(out, ignore_errors=True)
+        p = subprocess.run(["speculators", "prepare-data", "--model", text, "--data",
+                            os.path.join(self.data, "train.jsonl"), "--output", out],
+                           capture_output=True, text=True, env=self.tool_env)
+        if p.returncode:
+            shutil.rmtree(out, ignore_errors=True)
+            raise RuntimeError(f"speculators prepare-data exited {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
+        return {"rows": len(os.listdir(out))}
+
+    def speculators_start(self):
+        sp = os.path.join(self.data, "sp")
+        if not os.path.isdir(os.path.join(sp, "hidden_states")):
+            return None
+        log = os.path.join(self.work, "sp-train.log")
+        f = open(log, "w")
+        cmd = ["speculators", "train", "--verifier-name-or-path", os.path.join(self.model, "text_model"),
+               "--data-path", sp, "--target-layer-ids", *RIGHT.split(","), "--hidden-states-dtype", "bfloat16",
+               "--epochs", str(self.a.epochs), "--total-seq-len", "2048", "--num-workers", "2", "--log-freq", "50",
+               "--save-path", os.path.join(self.work, "sp-out"),
+               # its fused (Triton) loss fails under torch 2.11's compile (benchmarks/README.md)
+               "--loss-implementation", "eager"]
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+                             env={**self.tool_env, "MASTER_PORT": "29650"})
+        return {"proc": p, "logf": f, "log": log, "t0": time.time()}
+
+    def speculators_finish(self, run) -> dict:
+        import re
+
+        rc = run["proc"].wait()
+        run["logf"].close()
+        text = open(run["log"]).read()
+        if self.a.out_dir:
+            shutil.copy(run["log"], os.path.join(self.a.out_dir, "sp-train.log"))
+        res = {"exit": rc, "train_s": round(time.time() - run["t0"], 1)}
+        last = lambda key: (re.findall(rf"val/{key}=([0-9.e+-]+)", text) or [None])[-1]  # noqa: E731
+        res.update(val_full_acc_0=last("full_acc_0_epoch"), val_loss=last("loss_epoch"))
+        if rc:
+            res["log_tail"] = text[-2500:]
+        return res
 
     def quantized(self) -> str:
         import int4
@@ -354,6 +420,27 @@ output_dir: {out_dir}
 
     def trained_steps(self) -> int:
         return self.a.epochs * self.a.samples // self.a.batch
+
+
+def shift_one_token(d: dict) -> dict:
+    """A SpecForge sample whose states are one token late: token t carries token t-1's states
+    (row 0 repeated), what a capture with positions off by one would give."""
+    import torch
+
+    out = dict(d)
+    for k in ("aux_hidden_state", "hidden_state"):
+        t = d[k]
+        out[k] = torch.cat([t[:, :1], t[:, :-1]], dim=1).contiguous()
+    return out
+
+
+def rotate_layers(d: dict, hidden: int) -> dict:
+    """A SpecForge sample whose aux layers are concatenated in another order (the last first)."""
+    import torch
+
+    aux = d["aux_hidden_state"]
+    blocks = list(aux.split(hidden, dim=-1))
+    return {**d, "aux_hidden_state": torch.cat(blocks[-1:] + blocks[:-1], dim=-1).contiguous()}
 
 
 def _flat(d, prefix=""):
@@ -380,7 +467,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS))
-    ap.add_argument("--steps", default="target,off,on,wrong,verify,data,train,spec_untrained,spec_right,"
+    ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_untrained,spec_right,"
                                        "spec_hooked,spec_hooked_verify,int4_on,int4_verify,int4_off",
                     help="which steps, in order")
     a = ap.parse_args()
@@ -393,6 +480,7 @@ def main() -> None:
         r.res.setdefault("device", f"? ({e})")
     steps = {
         "target": r.target,
+        "sp_prepare": r.sp_prepare,
         "off": lambda: r.serve("off"),
         "on": lambda: r.serve("on", os.path.join(r.work, "dump-on"), RIGHT),
         "wrong": lambda: r.serve("wrong", os.path.join(r.work, "dump-wrong"), WRONG, generate=False),
@@ -436,7 +524,10 @@ def summarize(res: dict) -> dict:
     for k in ("verify", "int4_verify"):
         v = res.get(k) or {}
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
-    s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in (res.get("train") or {}).items() if isinstance(v, dict)}
+    tr = res.get("train") or {}
+    s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in tr.items() if isinstance(v, dict) and k != "speculators"}
+    if isinstance(tr.get("speculators"), dict):
+        s["speculators_own_validation"] = {k: tr["speculators"].get(k) for k in ("exit", "val_full_acc_0", "val_loss")}
     s["heldout_simulated_accept_length"] = {k: v.get("simulated_acc_len") for k, v in (res.get("train") or {}).items()
                                             if isinstance(v, dict)}
     no_spec = gen("off").get("decode_tokens_per_s")
