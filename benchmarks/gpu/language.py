@@ -78,7 +78,9 @@ def write_jsonl(path: str, grammar: Grammar, prefix: str, n: int, lo: int, hi: i
     rng = random.Random(seed)
     with open(path + ".tmp", "w") as f:
         for i in range(n):
-            f.write(json.dumps({"id": f"{prefix}-{i}", "input_ids": grammar.text(rng, rng.randint(lo, hi))}) + "\n")
+            ids = grammar.text(rng, rng.randint(lo, hi))
+            # every token is trained on (speculators' prepare-data takes pre-tokenized rows with a mask)
+            f.write(json.dumps({"id": f"{prefix}-{i}", "input_ids": ids, "loss_mask": [1] * len(ids)}) + "\n")
     os.replace(path + ".tmp", path)
 
 
