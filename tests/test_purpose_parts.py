@@ -70,11 +70,14 @@ def test_int4_checkpoint_keeps_the_release_layout(tmp_path):
         cfg = json.load(f)
     assert cfg["architectures"] == ["KimiK25ForConditionalGeneration"]
     assert cfg["quantization_config"]["format"] == "pack-quantized"
+    # served in bf16 as released: SGLang takes the dtype from the text config (a float32 one
+    # would be served in float16)
+    assert cfg["text_config"]["torch_dtype"] == cfg["text_config"]["dtype"] == "bfloat16"
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     experts = [k for k in keys if ".mlp.experts." in k]
     assert experts and all(k.endswith((".weight_packed", ".weight_scale", ".weight_shape")) for k in experts)
-    assert res["experts_quantized"] == len(experts) // 3
+    assert res["expert_matrices_quantized"] == len(experts) // 3
     # attention, shared experts and the dense layer stay as they were
     assert "language_model.model.layers.0.mlp.gate_proj.weight" in keys
     assert any(".shared_experts." in k and k.endswith(".weight") for k in keys)
@@ -82,3 +85,21 @@ def test_int4_checkpoint_keeps_the_release_layout(tmp_path):
         ref_keys = set(f.keys())
     with safe_open(os.path.join(src, "text_model", "model.safetensors"), "pt") as f:
         assert ref_keys == set(f.keys())
+
+
+def test_the_controls_move_states_not_tokens():
+    torch = pytest.importorskip("torch")
+    import purpose
+
+    T, H = 5, 2
+    d = {"input_ids": torch.arange(T), "loss_mask": torch.ones(T, dtype=torch.int64),
+         "aux_hidden_state": torch.arange(T * 3 * H, dtype=torch.float32).reshape(1, T, 3 * H),
+         "hidden_state": torch.arange(T * H, dtype=torch.float32).reshape(1, T, H) + 100}
+    s = purpose.shift_one_token(d)
+    assert torch.equal(s["input_ids"], d["input_ids"]) and torch.equal(s["loss_mask"], d["loss_mask"])
+    for k in ("aux_hidden_state", "hidden_state"):
+        assert torch.equal(s[k][:, 1:], d[k][:, :-1]) and torch.equal(s[k][:, 0], d[k][:, 0])
+    r = purpose.rotate_layers(d, H)
+    a, b = d["aux_hidden_state"], r["aux_hidden_state"]
+    assert torch.equal(b[..., :H], a[..., 2 * H:]) and torch.equal(b[..., H:], a[..., :2 * H])
+    assert torch.equal(r["hidden_state"], d["hidden_state"])

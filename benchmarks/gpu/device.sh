@@ -14,7 +14,7 @@
 # pip installs, without deps or an index, each wheel whose distribution the machine lacks
 #   bash benchmarks/gpu/device.sh trainers python3 benchmarks/gpu/train_from_dump.py ...
 # Capture -> train -> serve (benchmarks/gpu/purpose.py), in the background, each call waiting
-# up to WAIT seconds (default 540) and copying the results and logs to $RESULTS (default $ROOT/out):
+# up to WAIT seconds (default 540) and copying the results and logs to $RESULTS (default $ROOT/results):
 #   bash benchmarks/gpu/device.sh purpose-stage     unpacks chunk 2, installs the trainers (b3, b4),
 #                                                  trains the target in the background; returns at once
 #   bash benchmarks/gpu/device.sh purpose [purpose.py options]
@@ -78,7 +78,8 @@ wait_purpose() {
   mkdir -p "$out"
   cp "$ROOT/purpose.results.json" "$out/" 2>/dev/null || true
   (cd "$ROOT" && tar czf "$out/logs.tar.gz" out purpose.log stage.log 2>/dev/null) || true
-  [ -e "$ROOT/purpose.done" ] && echo "purpose.py finished" || echo "purpose.py still running"
+  [ -e "$ROOT/purpose.done" ] && echo "purpose.py finished (exit $(cat "$ROOT/purpose.done"))" \
+    || echo "purpose.py still running"
 }
 
 case "$cmd" in
@@ -132,13 +133,16 @@ purpose-stage)
   ;;
 purpose)
   [ -e "$ROOT/stage.log" ] || { echo "nothing staged under $ROOT: run 'device.sh purpose-stage' first" >&2; exit 3; }
-  unpack_and_wait target.done 600
-  [ -e "$ROOT/purpose.pid" ] && kill -- -"$(cat "$ROOT/purpose.pid")" 2>/dev/null || true
+  unpack_and_wait target.done 300
+  if [ -e "$ROOT/purpose.pid" ] && [ ! -e "$ROOT/purpose.done" ]; then  # a run in progress: stop it first
+    kill -TERM -- -"$(cat "$ROOT/purpose.pid")" 2>/dev/null || true
+    for i in $(seq 60); do [ -e "$ROOT/purpose.done" ] && break; sleep 1; done
+  fi
   rm -f "$ROOT/purpose.done"
   copy_repo
   setsid nohup bash -c "cd '$ROOT/repo' && echo \$\$ > '$ROOT/purpose.pid' && $PURPOSE_ENV \
     python3 benchmarks/gpu/purpose.py --root '$ROOT' --site '$SITE' --out '$ROOT/purpose.results.json' \
-      --out-dir '$ROOT/out' $*; touch '$ROOT/purpose.done'" > "$ROOT/purpose.log" 2>&1 < /dev/null &
+      --out-dir '$ROOT/out' ${*:+$(printf '%q ' "$@")}; echo \$? > '$ROOT/purpose.done'" > "$ROOT/purpose.log" 2>&1 < /dev/null &
   sleep 2
   wait_purpose
   ;;

@@ -92,11 +92,14 @@ def main(model_dir: str, out: str) -> Dict[str, object]:
     with open(os.path.join(tmp, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = QUANTIZATION_CONFIG
+    # the served text config is bf16 like the release (SGLang reads the dtype there, and a float32
+    # one, which the reference beside it needs, would be served in float16)
+    cfg["text_config"].update(torch_dtype="bfloat16", dtype="bfloat16")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    res = {"experts_quantized": n, "group_size": GROUP, "max_abs_rounding": round(err, 5),
+    res = {"expert_matrices_quantized": n, "group_size": GROUP, "max_abs_rounding": round(err, 5),
            "bytes": sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out) if f.endswith(".safetensors"))}
     print(json.dumps(res), flush=True)
     return res

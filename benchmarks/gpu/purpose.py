@@ -42,6 +42,7 @@ import random
 import shutil
 import subprocess
 import sys
+import signal
 import time
 import urllib.request
 from typing import Dict, List, Optional
@@ -54,6 +55,17 @@ from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, rea
 RIGHT, WRONG, SPEC_HOOK = "2,3,5", "1,2,4", "1,4"
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"]
+
+
+LIVE: List[subprocess.Popen] = []  # trainers running now: stopped with this script
+
+
+def _on_sigterm(signum, frame) -> None:
+    """A restarted run stops this one: its trainers die, and unwinding runs every `finally`
+    (which stops the server in hand: servers run in sessions of their own)."""
+    for p in LIVE:
+        p.kill()
+    sys.exit(143)
 
 
 class Run:
@@ -83,10 +95,11 @@ class Run:
             json.dump(self.res, f, indent=1)
         os.replace(self.a.out + ".tmp", self.a.out)
 
-    def step(self, name: str, fn) -> None:
+    def step(self, name: str, fn) -> bool:
+        """Run one step unless its result is here without an error; True when it ran."""
         if name in self.res and "error" not in self.res[name]:
             print(f"== {name}: done earlier", flush=True)
-            return
+            return False
         print(f"== {name}", flush=True)
         t0 = time.time()
         try:
@@ -97,6 +110,7 @@ class Run:
         if isinstance(self.res[name], dict):
             self.res[name]["wall_s"] = round(time.time() - t0, 1)
         self.save()
+        return True
 
     # -- target and load ---------------------------------------------------------------------
     def target(self) -> dict:
@@ -306,6 +320,7 @@ output_dir: {out_dir}
         log = os.path.join(self.work, f"sf-{tag}.log")
         f = open(log, "w")
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.tool_env, cwd=REPO)
+        LIVE.append(p)
         return {"tag": tag, "proc": p, "logf": f, "log": log, "out_dir": out_dir, "draft": draft, "t0": time.time(),
                 "res": {"steps": steps, "lr": lr, "data": os.path.basename(data), "from_dump": from_dump}}
 
@@ -313,7 +328,7 @@ output_dir: {out_dir}
         """Wait for the trainer; SpecForge's own held-out evaluation; export for SGLang."""
         rc = run["proc"].wait()
         run["logf"].close()
-        res = {**run["res"], "exit": rc, "train_s": round(time.time() - run["t0"], 1)}
+        res = {**run["res"], "exit": rc, "train_s": round(run.get("t1", time.time()) - run["t0"], 1)}
         text = open(run["log"]).read()
         if self.a.out_dir:
             shutil.copy(run["log"], os.path.join(self.a.out_dir, os.path.basename(run["log"])))
@@ -338,7 +353,8 @@ output_dir: {out_dir}
 
     def train(self) -> dict:
         """The drafters, side by side: right (merged), right straight from the dump, the
-        shifted and wrong-layer controls, and an untrained one (a single step at lr 1e-10)."""
+        shifted, wrong-layer and permuted controls, an untrained one (a single step at lr
+        1e-10), and speculators' own trainer when its data was captured."""
         w, n, lr = self.work, self.trained_steps(), self.a.lr
         index = os.path.join(self.model, "text_model", "model.safetensors.index.json")
         if not os.path.exists(index):  # SpecForge finds the target's head through the index
@@ -355,10 +371,12 @@ output_dir: {out_dir}
         runs = [self.specforge_start(tag, data, steps, rate, 29500 + 7 * i, dump)
                 for i, (tag, data, steps, rate, dump) in enumerate(jobs)]
         sp = self.speculators_start()  # speculators' own trainer on merge's output, beside them
+        _wait_all(runs + ([sp] if sp else []))
         out = {run["tag"]: self.specforge_finish(run) for run in runs}
         if sp is not None:
             out["speculators"] = self.speculators_finish(sp)
-        failed = [t for t, r in out.items() if r.get("exit") or (t != "speculators" and "heldout_top1" not in r)]
+        failed = [t for t, r in out.items() if r.get("exit") or r.get("export_exit")
+                  or (t != "speculators" and "heldout_top1" not in r)]
         if failed:  # a rerun trains them again
             out["error"] = f"failed: {failed}"
         return out
@@ -377,7 +395,7 @@ output_dir: {out_dir}
         if p.returncode:
             shutil.rmtree(out, ignore_errors=True)
             raise RuntimeError(f"speculators prepare-data exited {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
-        return {"rows": len(os.listdir(out))}
+        return {"input_rows": len(read_jsonl(os.path.join(self.data, "train.jsonl"))), "output": out}
 
     def speculators_start(self):
         sp = os.path.join(self.data, "sp")
@@ -393,6 +411,7 @@ output_dir: {out_dir}
                "--loss-implementation", "eager"]
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                              env={**self.tool_env, "MASTER_PORT": "29650"})
+        LIVE.append(p)
         return {"proc": p, "logf": f, "log": log, "t0": time.time()}
 
     def speculators_finish(self, run) -> dict:
@@ -403,7 +422,7 @@ output_dir: {out_dir}
         text = open(run["log"]).read()
         if self.a.out_dir:
             shutil.copy(run["log"], os.path.join(self.a.out_dir, "sp-train.log"))
-        res = {"exit": rc, "train_s": round(time.time() - run["t0"], 1)}
+        res = {"exit": rc, "train_s": round(run.get("t1", time.time()) - run["t0"], 1)}
         last = lambda key: (re.findall(rf"val/{key}=([0-9.e+-]+)", text) or [None])[-1]  # noqa: E731
         res.update(val_full_acc_0=last("full_acc_0_epoch"), val_loss=last("loss_epoch"))
         if rc:
@@ -419,7 +438,17 @@ output_dir: {out_dir}
         return out
 
     def trained_steps(self) -> int:
-        return self.a.epochs * self.a.samples // self.a.batch
+        # the texts written (a stage run may have written them with other settings)
+        return self.a.epochs * len(read_jsonl(os.path.join(self.data, "train.jsonl"))) // self.a.batch
+
+
+def _wait_all(runs: List[dict]) -> None:
+    """Until every trainer has exited, noting when each did (its own train_s)."""
+    while any("t1" not in r for r in runs):
+        for r in runs:
+            if "t1" not in r and r["proc"].poll() is not None:
+                r["t1"] = time.time()
+        time.sleep(1)
 
 
 def shift_one_token(d: dict) -> dict:
@@ -471,6 +500,7 @@ def main() -> None:
                                        "spec_hooked,spec_hooked_verify,int4_on,int4_verify,int4_off",
                     help="which steps, in order")
     a = ap.parse_args()
+    signal.signal(signal.SIGTERM, _on_sigterm)
     r = Run(a)
     try:
         import torch
@@ -500,11 +530,16 @@ def main() -> None:
         "int4_on": lambda: r.serve("int4_on", os.path.join(r.work, "dump-int4_on"), RIGHT, model=r.quantized()),
         "int4_verify": lambda: r.verify("int4_on", r.quantized()),
     }
-    for name in a.steps.split(","):
-        r.step(name, steps[name])
+    names = a.steps.split(",")
+    for i, name in enumerate(names):
+        if r.step(name, steps[name]):
+            # a step that ran again makes what the later ones built on it stale
+            for later in names[i + 1:]:
+                r.res.pop(later, None)
     r.res["summary"] = summarize(r.res)
     print(json.dumps(r.res["summary"], indent=1), flush=True)
     r.save()
+    sys.exit(1 if any(isinstance(r.res.get(n), dict) and "error" in r.res[n] for n in names) else 0)
 
 
 def summarize(res: dict) -> dict:

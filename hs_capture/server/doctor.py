@@ -251,7 +251,8 @@ def check_speculative(ns: Any, env: Optional[Dict[str, str]] = None) -> List[Fin
         return []
     base = f"{algo}: draft passes (draft extend, target verify) are never captured"
     if str(algo).upper() != "EAGLE3":
-        return [Finding("speculative decoding", INFO, f"{base}; this drafter takes the final state, not layers")]
+        return [Finding("speculative decoding", INFO, f"{base}; {algo} asks the target for no aux layers: "
+                        "the hook's are its own")]
     env = dict(os.environ if env is None else env)
     model = getattr(ns, "model_path", None)
     try:
