@@ -495,7 +495,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS))
+    # decode graphs up to batch 16: the generations run one at a time (the sends are prefill), and
+    # the int4 server's capture of SGLang's default sizes took 295 s of its 369 s start
+    ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
     ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_untrained,spec_right,"
                                        "spec_hooked,spec_hooked_verify,int4_on,int4_verify,int4_off",
                     help="which steps, in order")
