@@ -268,9 +268,9 @@ class Run:
     def draft_config(self) -> str:
         with open(os.path.join(self.model, "text_model", "config.json")) as f:
             t = json.load(f)
-        ids = self.res["data"]["train"]["trainer_settings"]
-        ids = ids.get("settings", ids)
-        eagle_ids = next((v for k, v in _flat(ids).items() if k.endswith("eagle_aux_hidden_state_layer_ids")), None)
+        # the ids merge printed for the captured layers (SGLang serves the drafter on them)
+        settings = self.res["data"]["train"]["trainer_settings"]["settings"]
+        eagle_ids = settings["eagle_config.eagle_aux_hidden_state_layer_ids"]
         path = os.path.join(self.work, "draft.json")
         with open(path, "w") as f:
             json.dump({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
@@ -470,14 +470,6 @@ def rotate_layers(d: dict, hidden: int) -> dict:
     aux = d["aux_hidden_state"]
     blocks = list(aux.split(hidden, dim=-1))
     return {**d, "aux_hidden_state": torch.cat(blocks[-1:] + blocks[:-1], dim=-1).contiguous()}
-
-
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in (d.items() if isinstance(d, dict) else []):
-        out[prefix + k] = v
-        out.update(_flat(v, prefix + k + "."))
-    return out
 
 
 def main() -> None:
