@@ -62,7 +62,7 @@ LIVE: List[subprocess.Popen] = []  # trainers running now: stopped with this scr
 
 def _on_sigterm(signum, frame) -> None:
     """A restarted run stops this one: its trainers die, and unwinding runs every `finally`
-    (which stops the server in hand: servers run in sessions of their own)."""
+    (which stops the server in hand: each server runs in a process group of its own)."""
     for p in LIVE:
         p.kill()
     sys.exit(143)
