@@ -27,7 +27,7 @@ from typing import Dict, List, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
-from tests.sglang_cpu.models import VOCAB, wrap_kimi_k25  # noqa: E402
+from tests.sglang_cpu.models import VOCAB, fix_routing, wrap_kimi_k25  # noqa: E402
 
 PHRASES, ALPHABET, FIRST_ID = 160, 480, 2   # token ids 2..481, well inside the 1024 vocabulary
 SUCCESSOR_WEIGHTS = (0.6, 0.3, 0.1)
@@ -129,13 +129,7 @@ def train(out: str, steps: int, size: str, batch: int = 32, length: int = 256, l
     torch.manual_seed(seed)
     t0 = time.time()
     model = DeepseekV3ForCausalLM(_config(size)).to(device)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                # scores are in (0, 1): biases 2 apart fix each layer's top-8 whatever the token
-                t.requires_grad_(False)
-                t.copy_((2.0 * torch.randperm(E, generator=g)).to(t.dtype))
+    fix_routing(model, torch.Generator(device="cpu").manual_seed(1))
     before = evaluate(model, grammar, device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
                             betas=(0.9, 0.95))

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import language  # noqa: E402
-from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, read_jsonl  # noqa: E402
+from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 RIGHT, WRONG, SPEC_HOOK = "2,3,5", "1,2,4", "1,4"
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
@@ -138,11 +138,7 @@ class Run:
         port = free_port()
         spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
         if dump is None:
-            # exactly what `hscap serve` runs, without the hook (its own dry run says what)
-            dry = subprocess.run([*HSCAP, "serve", "-d", os.path.join(self.work, "unused"), "--dry-run", "--",
-                                  *self.flags(port, model)], env=self.server_env, capture_output=True, text=True,
-                                 check=True)
-            cmd = dry.stdout.strip().splitlines()[-1].split() + spec_flags
+            cmd = plain_command(os.path.join(self.work, "unused"), self.flags(port, model), self.server_env) + spec_flags
         else:
             cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if kind == "on" else []), "--",
                    *self.flags(port, model), *spec_flags]

@@ -144,14 +144,19 @@ def hscap_json(*args: str, env: Optional[Dict[str, str]] = None) -> dict:
         raise RuntimeError(f"hscap {args[0]} exited {out.returncode}: {out.stdout[-2000:]} {out.stderr[-3000:]}")
 
 
+def plain_command(dump: str, flags: List[str], env: Dict[str, str]) -> List[str]:
+    """What `hscap serve` runs, without the hook (its own dry run says what)."""
+    dry = subprocess.run([*HSCAP, "serve", "-d", dump, "--dry-run", "--", *flags], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=True)
+    return dry.stdout.strip().splitlines()[-1].split()
+
+
 def commands(model: str, dump: str, port: int, kind: str, work: str, server_flags: List[str] = SERVER_FLAGS):
     """(cmd, env) of the server `kind`: the documented commands."""
     flags = ["--model-path", model, *server_flags, "--host", "127.0.0.1", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")}
     if kind == "off":
-        dry = subprocess.run([*HSCAP, "serve", "-d", dump, "--dry-run", "--", *flags], cwd=REPO, env=env,
-                             capture_output=True, text=True, check=True)
-        return dry.stdout.strip().splitlines()[-1].split(), env  # what `hscap serve` runs, without the hook
+        return plain_command(dump, flags, env), env
     if kind == "unfixed":
         site = os.path.join(work, "unfixed-site")
         os.makedirs(site, exist_ok=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -18,7 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from hs_capture.server import config as config_mod
 from hs_capture.server.bootstrap import HOOK_DIR
 from hs_capture.server.package import INSTRUMENTS
-from hs_capture.server.targets import COVERED, TARGETS, Target, checkpoint_architectures, for_architecture
+from hs_capture.server.targets import (COVERED, TARGETS, Target, checkpoint_architectures, checkpoint_config,
+                                      for_architecture)
 
 OK, INFO, WARN, BLOCK = "ok", "info", "warn", "block"
 
@@ -281,12 +281,11 @@ def check_speculative(ns: Any, env: Optional[Dict[str, str]] = None) -> List[Fin
 def _draft_layer_ids(draft: Optional[str]):
     """The aux-layer ids a local EAGLE-3 draft's config names; None when it names none (SGLang
     then uses its default); False when there is no local config to read."""
-    try:
-        with open(os.path.join(str(draft), "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError, TypeError):
+    cfg = checkpoint_config(draft) if draft else None
+    if cfg is None:
         return False
-    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if isinstance(cfg, dict) else None
+    eagle = cfg.get("eagle_config")
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
     return [int(i) for i in ids] if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
 
 

@@ -65,11 +65,23 @@ def for_architecture(arch: str) -> Optional[Target]:
     return next((t for t in TARGETS if t.causal_lm == arch or t.family == family), None)
 
 
+def checkpoint_config(model_path: object) -> Optional[dict]:
+    """A local checkpoint's config.json; None when there is no readable one (a hub id, say)."""
+    try:
+        with open(os.path.join(str(model_path), "config.json")) as f:
+            body = json.load(f)
+    except Exception:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 def checkpoint_architectures(model_path: object) -> Optional[List[str]]:
     """The architectures a local checkpoint's config.json names; None when there is no
     readable one (a hub id, say)."""
+    body = checkpoint_config(model_path)
+    if body is None:
+        return None
     try:
-        with open(os.path.join(str(model_path), "config.json")) as f:
-            return [str(a) for a in json.load(f).get("architectures") or []]
+        return [str(a) for a in body.get("architectures") or []]
     except Exception:
         return None

@@ -93,13 +93,12 @@ def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", se
     torch.manual_seed(seed)
     model, arch = BUILDERS[family](layers)
     model = model.eval()
-    with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                if fixed_routing:
-                    t.copy_(2.0 * torch.randperm(t.numel()).to(t.dtype).reshape(t.shape))
-                else:
-                    t.copy_(torch.randn_like(t) * 0.1)
+    if fixed_routing:
+        fix_routing(model)
+    else:
+        with torch.no_grad():  # a non-zero router bias so noaux_tc routing is exercised
+            for _, t in _router_biases(model):
+                t.copy_(torch.randn_like(t) * 0.1)
     tmp = out + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.architectures = [arch]
@@ -107,6 +106,23 @@ def make_tiny(family: str, out: str, layers: int = 6, dtype: str = "float32", se
     _edit_config(tmp, lambda c: c.setdefault("torch_dtype", dtype))
     os.replace(tmp, out)  # a half-written model is never mistaken for a made one
     return out
+
+
+def _router_biases(model):
+    return [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if n.endswith("e_score_correction_bias")]
+
+
+def fix_routing(model, generator=None) -> None:
+    """Router biases 2 apart, never trained: scores are in (0, 1), so every token's top-k is fixed
+    per layer and a bf16 forward picks the experts a float32 one does (the routing weights stay
+    the token's own scores)."""
+    import torch
+
+    with torch.no_grad():
+        for _, t in _router_biases(model):
+            t.requires_grad_(False)
+            t.copy_(2.0 * torch.randperm(t.numel(), generator=generator).to(t.dtype).reshape(t.shape))
 
 
 def _edit_config(model_dir: str, edit: Callable[[dict], object]) -> None:
