@@ -39,6 +39,7 @@ def test_a_right_bf16_dump_passes_with_no_tolerance_flags(bf16_dump):
     assert set(states) == {"layer 2", "layer 3", "layer 5", "final (post-norm)"}
     for s in states.values():  # bf16 noise is real, and the capture's error is of its size
         assert 0 < s["ref_max_rel"] and s["max_rel"] < 4 * s["ref_max_rel"] + 0.002
+        assert 0 < s["median_vs_ref"] < 2 and 0 < s["worst_vs_bound"] <= 1, s
     # the fixed float32 bound fails this right dump: the tolerance has to follow the dtype
     code, doc = verify(bf16_dump["dump"], "--reference", bf16_dump["model"], "--reference-samples", "2",
                        "--atol", "1e-4")
@@ -52,7 +53,7 @@ def _stored(bf16_dump):
     for rid in sorted(p.samples):
         s = asm.sample(rid)
         out[rid] = Stored(rid, None, s.input_ids.numpy(), {k: v.float().numpy() for k, v in s.layers.items()},
-                          s.final.float().numpy(), None, "bfloat16")
+                          s.final.float().numpy(), None, "bfloat16", {pc.prefix: pc.step for pc in p.samples[rid]})
     return out
 
 
@@ -79,6 +80,14 @@ def test_wrong_bf16_states_fail(bf16_dump):
         found = _judged(ref, [bad])
         assert found and any(m.startswith(where) for m in found), (where, found)
     assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
+    # a wrong token at a piece's first position is named as such: the server's prefill boundary
+    starts = sorted(a.pieces)
+    assert len(starts) > 1, a.pieces  # 170 tokens, chunked prefill of 128
+    at = Stored(a.rid, None, a.input_ids, {k: v.copy() for k, v in a.layers.items()}, a.final, None, "bfloat16",
+                a.pieces)
+    at.layers[3][starts[1]] = b.layers[3][starts[1]]
+    assert any(f"position {starts[1]}, the first token of the piece captured at step {a.pieces[starts[1]]}" in m
+               for m in _judged(ref, [at])), _judged(ref, [at])
 
 
 def test_a_bf16_capture_merges_for_specforge_with_no_warning_and_its_target_head_takes_it(bf16_dump, tmp_path):

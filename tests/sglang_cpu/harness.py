@@ -90,6 +90,29 @@ def graph_flags(python: str) -> tuple:
     return tuple(graph_off_flags(python))
 
 
+@functools.lru_cache(maxsize=None)
+def idle_flags(python: str) -> tuple:
+    """`--sleep-on-idle` where that python's release has it. An idle scheduler otherwise polls
+    without pause and keeps one of this machine's two cores busy, which the test's own send,
+    verify or second server then lack (two idle servers made a 0.7 s send take 25 s). Read from
+    the release's source: importing its server args costs ~6 s."""
+    probe = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"
+    try:
+        root = os.path.join(subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                                           timeout=60).stdout.strip(), "srt")
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    for where, _, names in os.walk(root):
+        if os.path.relpath(where, root).split(os.sep)[0] not in (".", "arg_groups"):
+            continue
+        for name in names:
+            if name.endswith(".py") and (name == "server_args.py" or where != root):
+                with open(os.path.join(where, name), errors="replace") as f:
+                    if "sleep_on_idle" in f.read():
+                        return ("--sleep-on-idle",)
+    return ()
+
+
 def terminate(proc: subprocess.Popen, timeout: float) -> None:
     """SIGTERM, and up to `timeout` s for the process to exit (the hook flushes meanwhile)."""
     if proc.poll() is None:
@@ -112,7 +135,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, *graph_flags(python or sys.executable),
-                 "--port", "PORT", *extra_flags]
+                 *idle_flags(python or sys.executable), "--port", "PORT", *extra_flags]
         self._cmd = [*launcher, *flags] if launcher else [python or sys.executable, "-m", "sglang.launch_server", *flags]
         # SGLang's ZMQ sockets are temp files it never removes: give them a dir removed at kill
         self._tmp = tempfile.mkdtemp(prefix="sglang-")

@@ -73,7 +73,7 @@ def _dump_samples(p, k: int, rng: random.Random):
         yield Stored(rid, os.path.basename(p.runs[p.samples[rid][0].run].path), s.input_ids.numpy(),
                      {k: v.float().numpy() for k, v in s.layers.items()}, s.final.float().numpy(),
                      s.prenorm.float().numpy() if s.prenorm is not None else None,
-                     str(s.final.dtype).replace("torch.", ""))
+                     str(s.final.dtype).replace("torch.", ""), {pc.prefix: pc.step for pc in p.samples[rid]})
 
 
 def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k: int, rng: random.Random,

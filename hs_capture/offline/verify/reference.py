@@ -17,7 +17,7 @@ a wrong layer are off by ~100% of the value; a right capture by ~1-2%, like the 
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
@@ -41,6 +41,9 @@ class Stored:
     final: Optional[np.ndarray]
     prenorm: Optional[np.ndarray]
     dtype: str = "float32"  # what the server stored (the arrays above are float32 copies)
+    # the dump's pieces: first position -> the step (forward pass) that captured it; a finding
+    # at a piece's first token points at the server's chunked-prefill boundary, not the capture
+    pieces: Dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,7 +70,11 @@ class StateStats:
     ref_max_abs: Optional[float] = None  # transformers in the stored dtype vs float32, same tokens
     ref_max_rel: Optional[float] = None
     vs_ref_max_abs: Optional[float] = None  # stored vs transformers in the stored dtype
-
+    # the margin of the bf16/fp16 rule: a token's error over its own reference error (median
+    # over tokens: how the server's rounding compares with transformers'), and over its bound
+    # (worst token: 1.0 is the rule's limit)
+    median_vs_ref: Optional[float] = None
+    worst_vs_bound: Optional[float] = None
 
 
 class Reference:
@@ -116,8 +123,18 @@ def _row_rel(diff: np.ndarray, want: np.ndarray) -> np.ndarray:
     return np.linalg.norm(diff, axis=-1) / np.maximum(scale, np.finfo(np.float32).tiny)
 
 
+def _where(row: int, pieces: Dict[int, int]) -> str:
+    """A position, and the forward pass it was captured in when the dump says."""
+    starts = [p for p in pieces if p <= row]
+    if not starts:
+        return f"position {row}"
+    start = max(starts)
+    first = "the first token" if start == row else f"token {row - start}"
+    return f"position {row}, {first} of the piece captured at step {pieces[start]}"
+
+
 def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray], dtype: str,
-           tol: Tolerance, stats: StateStats) -> Tuple[float, Optional[str]]:
+           tol: Tolerance, stats: StateStats, pieces: Optional[Dict[int, int]] = None) -> Tuple[float, Optional[str]]:
     """(max |got - want|, None when `got` passes or else why not). Updates the state's stats."""
     diff = got.astype(np.float32) - want
     m = float(np.abs(diff).max()) if diff.size else 0.0
@@ -143,12 +160,17 @@ def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarra
         return m, None
     floor = max(float(np.median(noise)), _EPS[dtype] / 2)
     bound = NOISE_FACTOR * np.maximum(noise, floor)
-    bad_rows = rel > bound
+    ratio = rel / bound
+    stats.worst_vs_bound = max(stats.worst_vs_bound or 0.0, float(ratio.max()))
+    med = float(np.median(rel / np.maximum(noise, _EPS[dtype] / 2)))
+    stats.median_vs_ref = med if stats.median_vs_ref is None else max(stats.median_vs_ref, med)
+    bad_rows = ratio > 1.0
     if bad_rows.any():
         row = int(np.argmax(bad_rows))
         return m, (f"{what}: {int(bad_rows.sum())} of {rel.size} tokens differ from transformers float32 by more "
-                   f"than {NOISE_FACTOR:g}x transformers' own {dtype} error (first at position {row}: {rel[row]:.3g} "
-                   f"vs {noise[row]:.3g} relative)")
+                   f"than {NOISE_FACTOR:g}x transformers' own {dtype} error (first at {_where(row, pieces or {})}: "
+                   f"{rel[row]:.3g} vs {noise[row]:.3g} relative; the sample's median token is off by "
+                   f"{med:.2g}x transformers' own)")
     return m, None
 
 
@@ -184,7 +206,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
                 w = float("inf")
                 continue
             stats = per_state.setdefault(what, StateStats())
-            m, problem = _judge(what, got, want, low, s.dtype, tol, stats)
+            m, problem = _judge(what, got, want, low, s.dtype, tol, stats, s.pieces)
             w = max(w, m)
             if problem:
                 report.add("reference", problem, path=s.path, rid=s.rid)
