@@ -61,7 +61,8 @@ def served_dump(tiny_model, tmp_path_factory):
     assert "final state post-norm and pre-norm" in srv.log()
     for r in live.values():
         r.join(60)
-    return {"dir": d, "rows": rows, "data": data, "root": root, "live": live, "seen_while_up": srv.seen_while_up}
+    return {"dir": d, "rows": rows, "data": data, "root": root, "live": live, "seen_while_up": srv.seen_while_up,
+            "log": srv.log()}
 
 
 def _caught_up(live, rows: int, timeout: float = 60):

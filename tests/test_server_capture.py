@@ -1,7 +1,6 @@
 """End to end on the REAL SGLang: a CPU server on a tiny DeepSeek-V3, started with the
 documented PYTHONPATH command, captures what transformers computes on the same weights."""
 
-import concurrent.futures as cf
 import json
 import os
 import random
@@ -16,33 +15,22 @@ from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
 from tests.sglang_cpu.stitch import stitch
 
-LAYERS = [1, 3, 5]
+LAYERS = [2, 3, 5]  # the shared served dump's (conftest.served_dump), pre-norm on
 CHUNK = 128
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def captured(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("capture")
-    dump = str(root / "dump")
-    env = server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)))
-    srv = Server(tiny_model, env, str(root / "server.log"),
-                 ["--chunked-prefill-size", str(CHUNK), "--disable-radix-cache"])
-    try:
-        srv.wait_healthy()
-        rng = random.Random(0)
-        lengths = [1, 2, 7, 64, 127, 128, 129, 300, 555, 31, 90, 700]
-        reqs = {f"req-{i}": [rng.randrange(2, 1000) for _ in range(n)] for i, n in enumerate(lengths)}
-        with cf.ThreadPoolExecutor(6) as ex:  # concurrent: forwards hold several requests
-            list(ex.map(lambda kv: srv.generate(*kv), reqs.items()))
-    finally:
-        rc = srv.stop()
-    return {"dump": dump, "reqs": reqs, "log": srv.log(), "rc": rc}
+def captured(served_dump):
+    """The session's served dump: concurrent requests (forwards hold several), prompts of 1 to
+    600 tokens chunked at 128."""
+    return {"dump": served_dump["dir"], "reqs": {r["id"]: r["input_ids"] for r in served_dump["rows"]},
+            "log": served_dump["log"]}
 
 
 def test_logs_say_capture_is_live(captured):
     log = captured["log"]
-    assert "[HS_DUMP] DeepseekV3ForCausalLM: layers_to_capture=[1, 3, 5]" in log
+    assert "[HS_DUMP] DeepseekV3ForCausalLM: layers_to_capture=[2, 3, 5]" in log
     assert "[HS_DUMP] CausalLM: capture_aux_hidden_states=True" in log
     assert "[HS_DUMP] rank dp0-tp0-pp0: closed:" in log
     ours = [line for line in log.splitlines() if line.startswith("[HS_DUMP]")]
@@ -55,13 +43,15 @@ def test_every_layer_and_final_state_match_transformers(captured, tiny_model):
     for rid, ids in captured["reqs"].items():
         s = samples[rid]
         assert s.complete and s.input_ids.tolist() == ids, rid
-        ref = hf_hidden_states(tiny_model, ids)
+        ref, pre = hf_hidden_states(tiny_model, ids, prenorm=True)
         assert sorted(s.layers) == LAYERS
         for layer in LAYERS:
             diff = np.abs(s.layers[layer] - ref[layer]).max()
             assert diff <= TOL, (rid, layer, diff)
         diff = np.abs(s.final - ref[NUM_LAYERS]).max()
         assert diff <= TOL, (rid, "final", diff)
+        diff = np.abs(s.prenorm - pre).max()
+        assert diff <= TOL, (rid, "prenorm", diff)
 
 
 def test_long_prompts_were_chunked_and_batches_held_several_requests(captured):
@@ -93,7 +83,7 @@ def test_files_are_self_describing_and_named_by_rank_and_layer(captured):
     leftovers = [n for _, _, names in os.walk(run.path) for n in names if TEMP_MARK in n]
     assert files and not leftovers
     parts = {os.path.basename(f).split(".")[2] for f in files}
-    assert parts == {"L01", "L03", "L05", "final"}
+    assert parts == {"L02", "L03", "L05", "final", "prenorm"}
     assert all(os.path.basename(f).startswith("dp0-tp0-pp0.s") for f in files)
     with open(files[0], "rb") as f:
         header = fmt.read_header(f, os.fstat(f.fileno()).st_size)
