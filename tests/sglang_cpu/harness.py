@@ -5,6 +5,7 @@ and compare with transformers. Used by the tests and by bin/demo.py."""
 from __future__ import annotations
 
 import functools
+import glob
 import json
 import os
 import shutil
@@ -98,18 +99,18 @@ def idle_flags(python: str) -> tuple:
     the release's source: importing its server args costs ~6 s."""
     probe = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"
     try:
-        root = os.path.join(subprocess.run([python, "-c", probe], capture_output=True, text=True,
-                                           timeout=60).stdout.strip(), "srt")
+        srt = os.path.join(subprocess.run([python, "-c", probe], capture_output=True, text=True,
+                                          timeout=60).stdout.strip(), "srt")
     except (OSError, subprocess.SubprocessError):
         return ()
-    for where, _, names in os.walk(root):
-        if os.path.relpath(where, root).split(os.sep)[0] not in (".", "arg_groups"):
-            continue
-        for name in names:
-            if name.endswith(".py") and (name == "server_args.py" or where != root):
-                with open(os.path.join(where, name), errors="replace") as f:
-                    if "sleep_on_idle" in f.read():
-                        return ("--sleep-on-idle",)
+    # where releases declare their server flags: server_args.py, and arg_groups/ from 0.5.2x
+    files = [os.path.join(srt, "server_args.py"), *glob.glob(os.path.join(srt, "arg_groups", "**", "*.py"),
+                                                              recursive=True)]
+    for path in files:
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                if "sleep_on_idle" in f.read():
+                    return ("--sleep-on-idle",)
     return ()
 
 

@@ -70,9 +70,9 @@ class StateStats:
     ref_max_abs: Optional[float] = None  # transformers in the stored dtype vs float32, same tokens
     ref_max_rel: Optional[float] = None
     vs_ref_max_abs: Optional[float] = None  # stored vs transformers in the stored dtype
-    # the margin of the bf16/fp16 rule: a token's error over its own reference error (median
-    # over tokens: how the server's rounding compares with transformers'), and over its bound
-    # (worst token: 1.0 is the rule's limit)
+    # the margin of the bf16/fp16 rule: a token's error over transformers' own for that token
+    # (the median token, of the worst sample: how the server's rounding compares with
+    # transformers'), and over its bound (the worst token: 1.0 is the rule's limit)
     median_vs_ref: Optional[float] = None
     worst_vs_bound: Optional[float] = None
 
