@@ -25,8 +25,10 @@ ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
 cmd=${1:-}
 shift || true
-PURPOSE_ENV="PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
+# what every SGLang server here runs with (no hub, NVLink multicast off, caches kept across calls)
+SERVER_ENV="PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0 \
   TRITON_CACHE_DIR=$ROOT/cache/triton TVM_FFI_CACHE_DIR=$ROOT/cache/tvm FLASHINFER_WORKSPACE_BASE=$ROOT/cache"
+PURPOSE_ENV="PYTHONPATH=. $SERVER_ENV"  # purpose.py puts the bundle on its servers' path itself
 
 # hs_capture's wheels (b3) and the trainers' (b4) that the machine lacks, without deps or an index
 install_trainers() {
@@ -99,9 +101,7 @@ run)
     echo "nothing staged under $ROOT: run 'bash benchmarks/gpu/device.sh stage' first" >&2; exit 3
   fi
   unpack_and_wait model.done 300
-  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/python_packages:$PWD" PYTHONUNBUFFERED=1
-  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 NCCL_NVLS_ENABLE=0
-  export TRITON_CACHE_DIR=$ROOT/cache/triton TVM_FFI_CACHE_DIR=$ROOT/cache/tvm FLASHINFER_WORKSPACE_BASE=$ROOT/cache
+  export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/python_packages:$PWD" $SERVER_ENV
   python3 benchmarks/gpu/server.py --root "$ROOT" "$@"
   ;;
 offline)

@@ -45,7 +45,7 @@ import sys
 import signal
 import time
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -146,7 +146,7 @@ class Run:
         log_path = os.path.join(self.work, f"server-{kind}.log")
         srv = Server(cmd, env, log_path, port)
         res: Dict[str, object] = {"command": " ".join(x if not x.startswith("/") else os.path.basename(x)
-                                                      for x in cmd[:3] + cmd[3:])[:600]}
+                                                      for x in cmd)[:600]}
         try:
             res["startup_s"] = round(srv.wait_healthy(), 1)
             # the held-out texts warm SGLang's kernels up (and are captured); the generations
@@ -313,23 +313,34 @@ output_dir: {out_dir}
 """)
         cmd = (["specforge", "train", "--config", cfg] if not from_dump else
                [*HSCAP, "train", "specforge", "--dataset", os.path.join(self.data, "train.jsonl"), "--", "--config", cfg])
-        log = os.path.join(self.work, f"sf-{tag}.log")
-        f = open(log, "w")
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.tool_env, cwd=REPO)
-        LIVE.append(p)
-        return {"tag": tag, "proc": p, "logf": f, "log": log, "out_dir": out_dir, "draft": draft, "t0": time.time(),
+        run = self.launch(cmd, os.path.join(self.work, f"sf-{tag}.log"), self.tool_env)
+        return {**run, "tag": tag, "out_dir": out_dir, "draft": draft,
                 "res": {"steps": steps, "lr": lr, "data": os.path.basename(data), "from_dump": from_dump}}
+
+    def launch(self, cmd: List[str], log: str, env: Dict[str, str]) -> dict:
+        """A trainer in the background, its output in LOG; stopped with this script."""
+        f = open(log, "w")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        LIVE.append(p)
+        return {"proc": p, "logf": f, "log": log, "t0": time.time()}
+
+    def collect(self, run: dict) -> Tuple[dict, str]:
+        """Wait for a launched trainer: ({exit, train_s (its own)}, its log's text); the log is
+        also copied to --out-dir."""
+        rc = run["proc"].wait()
+        run["logf"].close()
+        with open(run["log"]) as f:
+            text = f.read()
+        if self.a.out_dir:
+            shutil.copy(run["log"], os.path.join(self.a.out_dir, os.path.basename(run["log"])))
+        return {"exit": rc, "train_s": round(run.get("t1", time.time()) - run["t0"], 1)}, text
 
     def specforge_finish(self, run: dict) -> dict:
         """Wait for the trainer; SpecForge's own held-out evaluation; export for SGLang."""
-        rc = run["proc"].wait()
-        run["logf"].close()
-        res = {**run["res"], "exit": rc, "train_s": round(run.get("t1", time.time()) - run["t0"], 1)}
-        text = open(run["log"]).read()
-        if self.a.out_dir:
-            shutil.copy(run["log"], os.path.join(self.a.out_dir, os.path.basename(run["log"])))
+        done, text = self.collect(run)
+        res = {**run["res"], **done}
         metas = glob.glob(os.path.join(run["out_dir"], "*.best_meta.json"))
-        if rc or not metas:
+        if res["exit"] or not metas:
             res["log_tail"] = text[-2500:]
             return res
         with open(metas[0]) as f:
@@ -397,31 +408,21 @@ output_dir: {out_dir}
         sp = os.path.join(self.data, "sp")
         if not os.path.isdir(os.path.join(sp, "hidden_states")):
             return None
-        log = os.path.join(self.work, "sp-train.log")
-        f = open(log, "w")
         cmd = ["speculators", "train", "--verifier-name-or-path", os.path.join(self.model, "text_model"),
                "--data-path", sp, "--target-layer-ids", *RIGHT.split(","), "--hidden-states-dtype", "bfloat16",
                "--epochs", str(self.a.epochs), "--total-seq-len", "2048", "--num-workers", "2", "--log-freq", "50",
                "--save-path", os.path.join(self.work, "sp-out"),
                # its fused (Triton) loss fails under torch 2.11's compile (benchmarks/README.md)
                "--loss-implementation", "eager"]
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
-                             env={**self.tool_env, "MASTER_PORT": "29650"})
-        LIVE.append(p)
-        return {"proc": p, "logf": f, "log": log, "t0": time.time()}
+        return self.launch(cmd, os.path.join(self.work, "sp-train.log"), {**self.tool_env, "MASTER_PORT": "29650"})
 
     def speculators_finish(self, run) -> dict:
         import re
 
-        rc = run["proc"].wait()
-        run["logf"].close()
-        text = open(run["log"]).read()
-        if self.a.out_dir:
-            shutil.copy(run["log"], os.path.join(self.a.out_dir, "sp-train.log"))
-        res = {"exit": rc, "train_s": round(run.get("t1", time.time()) - run["t0"], 1)}
+        res, text = self.collect(run)
         last = lambda key: (re.findall(rf"val/{key}=([0-9.e+-]+)", text) or [None])[-1]  # noqa: E731
         res.update(val_full_acc_0=last("full_acc_0_epoch"), val_loss=last("loss_epoch"))
-        if rc:
+        if res["exit"]:
             res["log_tail"] = text[-2500:]
         return res
 
