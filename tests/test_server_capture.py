@@ -22,8 +22,8 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def captured(served_dump):
-    """The shared served dump (pytest session scope): concurrent requests (forwards hold several), prompts of 1 to
-    600 tokens chunked at 128."""
+    """conftest's shared served dump: concurrent requests (forwards hold several), prompts of 1
+    to 600 tokens chunked at 128."""
     return {"dump": served_dump["dir"], "reqs": {r["id"]: r["input_ids"] for r in served_dump["rows"]},
             "log": served_dump["log"]}
 
