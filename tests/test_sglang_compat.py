@@ -84,6 +84,57 @@ def test_the_flags_that_keep_prefill_eager_are_asked_of_the_release():
     assert compat.prefill_graph_off_flags(set()) == ["--disable-cuda-graph"]
 
 
+def test_the_flags_read_from_a_release_source_are_the_ones_it_gives_when_imported():
+    """`hscap serve` reads the release's field declarations instead of importing it (~8 s): for
+    every release here, the same answer as importing its ServerArgs gives."""
+    from hs_capture.cli.serve_cmd import graph_off_flags_asked, graph_off_flags_declared
+    from tests.sglang_cpu.matrix import release_pythons
+
+    for release, python in release_pythons().items():
+        declared = graph_off_flags_declared(python)
+        assert declared is not None and declared == graph_off_flags_asked(python), release
+
+
+def _fake_release(root, server_args: str) -> str:
+    """A package named sglang with only a server_args module: the reader's own input, not SGLang."""
+    srt = root / "sglang" / "srt"
+    srt.mkdir(parents=True)
+    (root / "sglang" / "__init__.py").write_text("")
+    (srt / "__init__.py").write_text("")
+    (srt / "server_args.py").write_text(server_args)
+    return str(root)
+
+
+def test_only_a_class_body_declaration_counts_and_an_unread_layout_is_asked(tmp_path, monkeypatch):
+    from hs_capture.cli.serve_cmd import graph_off_flags
+    from hs_capture.server import release_source
+
+    fields = compat.PREFILL_GRAPH_FIELDS
+    mentions = ('class ServerArgs:\n'
+                '    # disable_prefill_cuda_graph: not a field\n'
+                '    disable_cuda_graph: bool = False\n'
+                '    def resolve(self):\n'
+                '        disable_prefill_cuda_graph: bool = True\n'
+                '        help = """\n'
+                'disable_piecewise_cuda_graph: text\n'
+                '"""\n')
+    root = _fake_release(tmp_path / "a", mentions + "    disable_piecewise_cuda_graph: bool = False\n")
+    assert release_source.declared_fields(os.path.join(root, "sglang"), fields) == {"disable_piecewise_cuda_graph"}
+    # 0.5.2x declares its fields in arg_groups/
+    group = tmp_path / "a" / "sglang" / "srt" / "arg_groups" / "fields"
+    group.mkdir(parents=True)
+    (group / "exec_.py").write_text("class Exec:\n    disable_prefill_cuda_graph: A[bool, 'x'] = False\n")
+    assert release_source.declared_fields(os.path.join(root, "sglang"), fields) == set(fields)
+
+    # a release declaring the field some other way: its own ServerArgs is asked
+    other = _fake_release(tmp_path / "b", "class ServerArgs:\n    disable_piecewise_cuda_graph = False\n")
+    monkeypatch.setenv("PYTHONPATH", other)
+    assert release_source.package_dir(sys.executable) == os.path.join(other, "sglang")
+    assert release_source.declared_fields(os.path.join(other, "sglang"), fields) == set()
+    assert graph_off_flags(sys.executable) == ["--disable-piecewise-cuda-graph"]
+    assert release_source.package_dir(os.path.join(str(tmp_path), "no-python")) is None
+
+
 def _graph_config(decode, prefill):
     """SGLang's own resolved CUDA-graph config (0.5.15 kept it on ServerArgs.cuda_graph_config)."""
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig

@@ -10,8 +10,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import click
 
-from hs_capture.server import config
+from hs_capture.server import config, release_source
 from hs_capture.server.bootstrap import HOOK_DIR
+from hs_capture.server.sglang_compat import PREFILL_GRAPH_FIELDS, prefill_graph_off_flags
 
 
 # The flags capture needs, each for a reason (README "Capture on a GPU deployment"):
@@ -42,8 +43,22 @@ _PROBE = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
 
 
 def graph_off_flags(python: str) -> List[str]:
-    """The flags that keep prefill eager (and decode graphs on) in the sglang `python` runs
-    (feature-detected there)."""
+    """The flags that keep prefill eager (and decode graphs on) in the sglang `python` runs:
+    read from the release's field declarations, asked of the release itself where they do not
+    say."""
+    return graph_off_flags_declared(python) or graph_off_flags_asked(python)
+
+
+def graph_off_flags_declared(python: str) -> Optional[List[str]]:
+    """graph_off_flags from the release's source (~0.1 s), or None where it declares neither
+    field they are decided by."""
+    package = release_source.package_dir(python)
+    declared = release_source.declared_fields(package, PREFILL_GRAPH_FIELDS) if package else set()
+    return prefill_graph_off_flags(declared) if declared else None
+
+
+def graph_off_flags_asked(python: str) -> List[str]:
+    """graph_off_flags from the release itself: imports its server arguments (~8 s)."""
     package_parent = os.path.dirname(os.path.dirname(HOOK_DIR))
     try:
         out = subprocess.run([python, "-c", _PROBE, package_parent], capture_output=True, text=True, timeout=300,

@@ -131,6 +131,10 @@ PIECEWISE_DEFAULT_ON = ("piecewise prefill CUDA graphs, on by default in this re
                         "leaves on: add --disable-piecewise-cuda-graph")
 
 
+# the server-argument fields prefill_graph_off_flags decides by
+PREFILL_GRAPH_FIELDS = ("disable_prefill_cuda_graph", "disable_piecewise_cuda_graph")
+
+
 def prefill_graph_off_flags(server_args_fields: "set[str]") -> List[str]:
     """The flags that keep every prefill eager, and leave decode graphs on, in the release whose
     server-argument names are given. Decode is never captured, so its graphs can stay."""

@@ -5,7 +5,6 @@ and compare with transformers. Used by the tests and by bin/demo.py."""
 from __future__ import annotations
 
 import functools
-import glob
 import json
 import os
 import shutil
@@ -96,22 +95,11 @@ def idle_flags(python: str) -> tuple:
     """`--sleep-on-idle` where that python's release has it. An idle scheduler otherwise polls
     without pause and keeps one of this machine's two cores busy, which the test's own send,
     verify or second server then lack (two idle servers made a 0.7 s send take 25 s). Read from
-    the release's source: importing its server args costs ~6 s."""
-    probe = "import importlib.util as u; print(u.find_spec('sglang').submodule_search_locations[0])"
-    try:
-        srt = os.path.join(subprocess.run([python, "-c", probe], capture_output=True, text=True,
-                                          timeout=60).stdout.strip(), "srt")
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    # where releases declare their server flags: server_args.py, and arg_groups/ from 0.5.2x
-    files = [os.path.join(srt, "server_args.py"), *glob.glob(os.path.join(srt, "arg_groups", "**", "*.py"),
-                                                              recursive=True)]
-    for path in files:
-        if os.path.isfile(path):
-            with open(path, errors="replace") as f:
-                if "sleep_on_idle" in f.read():
-                    return ("--sleep-on-idle",)
-    return ()
+    the release's field declarations, as `hscap serve` reads its flags."""
+    from hs_capture.server import release_source
+
+    package = release_source.package_dir(python)
+    return ("--sleep-on-idle",) if package and release_source.declared_fields(package, ["sleep_on_idle"]) else ()
 
 
 def terminate(proc: subprocess.Popen, timeout: float) -> None:

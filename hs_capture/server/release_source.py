@@ -1,0 +1,55 @@
+"""What an installed SGLang release declares, read from its source files without importing it.
+
+`hscap serve` asks the server's release which flags it has before every start. Importing
+sglang's server arguments to find out costs ~8 s on a CPU host and more beside CUDA's
+libraries, and the server then imports them all again; the field declarations say the same
+in a tenth of a second. Where the files do not say (a layout this reader does not know), the
+caller asks the release itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+from typing import Iterable, Optional, Set
+
+# where releases declare ServerArgs' fields: server_args.py, and arg_groups/ from 0.5.2x
+FIELD_FILES = ("server_args.py", os.path.join("arg_groups", "**", "*.py"))
+
+# find_spec of a top-level package locates it without running its __init__
+_LOCATE = ("import importlib.util as u; s = u.find_spec('sglang'); "
+           "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')")
+
+
+def package_dir(python: str) -> Optional[str]:
+    """The sglang package directory `python` would import, or None where it has none (or
+    cannot be run)."""
+    try:
+        out = subprocess.run([python, "-c", _LOCATE], capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")})
+    except (OSError, subprocess.SubprocessError):
+        return None
+    path = out.stdout.strip()
+    return path if out.returncode == 0 and os.path.isdir(path) else None
+
+
+def declared_fields(package: str, names: Iterable[str]) -> Set[str]:
+    """Those of `names` the release at `package` declares as server-argument fields: a line
+    `    name: ...` in a class body of its server-argument files. A mention anywhere else (a
+    function body, a comment, a flag's help text) is not a declaration."""
+    wanted = sorted(set(names))
+    if not wanted:
+        return set()
+    field = re.compile(r"^    (%s)\s*:" % "|".join(map(re.escape, wanted)), re.MULTILINE)
+    srt = os.path.join(package, "srt")
+    found: Set[str] = set()
+    for pattern in FIELD_FILES:
+        for path in sorted(glob.glob(os.path.join(srt, pattern), recursive=True)):
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    found.update(field.findall(f.read()))
+            except OSError:
+                continue
+    return found
