@@ -552,6 +552,10 @@ def summarize(res: dict) -> dict:
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
     tr = res.get("train") or {}
     s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in tr.items() if isinstance(v, dict) and k != "speculators"}
+    right = s["heldout_top1"].get("right")
+    if right is not None and right < 1:  # the controls' misses in units of the right drafter's
+        s["heldout_misses_over_right"] = {k: round((1 - v) / (1 - right), 2) for k, v in s["heldout_top1"].items()
+                                          if v is not None and k != "right"}
     if isinstance(tr.get("speculators"), dict):
         s["speculators_own_validation"] = {k: tr["speculators"].get(k) for k in ("exit", "val_full_acc_0", "val_loss")}
     s["heldout_simulated_accept_length"] = {k: v.get("simulated_acc_len") for k, v in (res.get("train") or {}).items()
