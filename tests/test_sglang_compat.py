@@ -110,7 +110,11 @@ def test_only_a_class_body_declaration_counts_and_an_unread_layout_is_asked(tmp_
     from hs_capture.server import release_source
 
     fields = compat.PREFILL_GRAPH_FIELDS
-    mentions = ('class ServerArgs:\n'
+    mentions = ('def hook(\n'
+                '    disable_prefill_cuda_graph: bool = False,\n'
+                '):\n'
+                '    disable_prefill_cuda_graph: bool = True\n'
+                'class ServerArgs:\n'
                 '    # disable_prefill_cuda_graph: not a field\n'
                 '    disable_cuda_graph: bool = False\n'
                 '    def resolve(self):\n'
@@ -125,6 +129,9 @@ def test_only_a_class_body_declaration_counts_and_an_unread_layout_is_asked(tmp_
     group.mkdir(parents=True)
     (group / "exec_.py").write_text("class Exec:\n    disable_prefill_cuda_graph: A[bool, 'x'] = False\n")
     assert release_source.declared_fields(os.path.join(root, "sglang"), fields) == set(fields)
+    # a file this Python cannot parse says nothing
+    (group / "exec_.py").write_text("class Exec:\n    disable_prefill_cuda_graph: A[bool = False\n")
+    assert release_source.declared_fields(os.path.join(root, "sglang"), fields) == {"disable_piecewise_cuda_graph"}
 
     # a release declaring the field some other way: its own ServerArgs is asked
     other = _fake_release(tmp_path / "b", "class ServerArgs:\n    disable_piecewise_cuda_graph = False\n")

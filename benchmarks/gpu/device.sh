@@ -59,11 +59,7 @@ copy_repo() {
 # chunk 1 unpacked (once), then up to $2 seconds for chunk 2 and the background job's done-file $1
 unpack_and_wait() {
   if [ ! -e "$ROOT/b1.done" ]; then
-    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE"
-    # the bundle ships no bytecode: compiled once on every core, not by each server's first import
-    t0=$(date +%s); python3 -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || true
-    echo "compiled the bundle's bytecode in $(( $(date +%s) - t0 )) s"
-    touch "$ROOT/b1.done"
+    xz -dc .gpu-bundle/b1/site.tar.xz | tar x -C "$SITE" && touch "$ROOT/b1.done"
   fi
   for i in $(seq "$2"); do
     [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/$1" ] && break
@@ -71,6 +67,11 @@ unpack_and_wait() {
   done
   tail -40 "$ROOT/stage.log"
   [ -e "$ROOT/b2.done" ] && [ -e "$ROOT/$1" ] || { echo "staging did not finish" >&2; exit 3; }
+  if [ ! -e "$ROOT/pyc.done" ]; then
+    # the bundle ships no bytecode: compiled once on every core, not by each server's first import
+    t0=$(date +%s); python3 -m compileall -q -j 0 "$SITE" > /dev/null 2>&1 || true
+    echo "compiled the bundle's bytecode in $(( $(date +%s) - t0 )) s"; touch "$ROOT/pyc.done"
+  fi
 }
 
 # up to WAIT seconds for purpose.py; its results and logs go to $RESULTS either way

@@ -487,9 +487,9 @@ def main() -> None:
     # decode graphs up to batch 16: the generations run one at a time (the sends are prefill), and
     # the int4 server's capture of SGLang's default sizes took 295 s of its 369 s start
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
-    # the steps whose answers are not yet known first: a run cut short by its machine's time
-    # loses the known ones (the untrained drafter's accept length, ~1) and int4, which needs only
-    # the target and can run in a later one (--steps target,int4_on,int4_verify,int4_off)
+    # the steps whose answers are not yet known first: a run stopped early loses the known ones
+    # (the untrained drafter's accept length, ~1) and int4, which needs only the target and can
+    # run in a later one (--steps target,int4_on,int4_verify,int4_off)
     ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_right,spec_hooked,"
                                        "spec_hooked_verify,spec_untrained,int4_on,int4_verify,int4_off",
                     help="which steps, in order")

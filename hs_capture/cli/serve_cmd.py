@@ -51,7 +51,9 @@ def graph_off_flags(python: str) -> List[str]:
 
 def graph_off_flags_declared(python: str) -> Optional[List[str]]:
     """graph_off_flags from the release's source (~0.1 s), or None where it declares neither
-    field they are decided by."""
+    field they are decided by. (A release that moved the prefill field out of the files read
+    but kept the piecewise one there would get the piecewise flag: the hook's own check at
+    start would then refuse prefill graphs in one line, never lose captures.)"""
     package = release_source.package_dir(python)
     declared = release_source.declared_fields(package, PREFILL_GRAPH_FIELDS) if package else set()
     return prefill_graph_off_flags(declared) if declared else None

@@ -3,15 +3,15 @@
 `hscap serve` asks the server's release which flags it has before every start. Importing
 sglang's server arguments to find out costs ~8 s on a CPU host and more beside CUDA's
 libraries, and the server then imports them all again; the field declarations say the same
-in a tenth of a second. Where the files do not say (a layout this reader does not know), the
-caller asks the release itself.
+in a fraction of a second. Where the files do not say (a layout this reader does not know, a
+file this Python cannot parse), the caller asks the release itself.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
-import re
 import subprocess
 from typing import Iterable, Optional, Set
 
@@ -31,25 +31,30 @@ def package_dir(python: str) -> Optional[str]:
                              env={k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")})
     except (OSError, subprocess.SubprocessError):
         return None
-    path = out.stdout.strip()
+    lines = out.stdout.strip().splitlines()  # the last line: a startup hook may print before it
+    path = lines[-1].strip() if lines else ""
     return path if out.returncode == 0 and os.path.isdir(path) else None
 
 
 def declared_fields(package: str, names: Iterable[str]) -> Set[str]:
-    """Those of `names` the release at `package` declares as server-argument fields: a line
-    `    name: ...` in a class body of its server-argument files. A mention anywhere else (a
-    function body, a comment, a flag's help text) is not a declaration."""
-    wanted = sorted(set(names))
-    if not wanted:
-        return set()
-    field = re.compile(r"^    (%s)\s*:" % "|".join(map(re.escape, wanted)), re.MULTILINE)
-    srt = os.path.join(package, "srt")
+    """Those of `names` the release at `package` declares as fields of a class (`name: type`
+    in a class body) in its server-argument files. A mention anywhere else (a function's
+    parameter or body, a comment, a help text) is not a declaration."""
+    wanted = set(names)
     found: Set[str] = set()
+    srt = os.path.join(package, "srt")
     for pattern in FIELD_FILES:
         for path in sorted(glob.glob(os.path.join(srt, pattern), recursive=True)):
             try:
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    found.update(field.findall(f.read()))
-            except OSError:
+                    text = f.read()
+                if not any(n in text for n in wanted):  # most files name none: not parsed
+                    continue
+                tree = ast.parse(text)
+            except (OSError, SyntaxError, ValueError):
                 continue
+            for cls in ast.walk(tree):
+                if isinstance(cls, ast.ClassDef):
+                    found.update(s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)
+                                 and isinstance(s.target, ast.Name) and s.target.id in wanted)
     return found
