@@ -5,15 +5,17 @@ For each language: the CPU-sized target of gpu/language.py (the same DeepSeek-V3
 trained with transformers; its states from transformers' own forward (hidden_states[i] enters
 layer i: the hook's convention); an EAGLE-3-shaped drafter (fc of three states + the next
 token's frozen target embedding, one causal attention + MLP layer, a head started from the
-target's) trained on each control's states, then judged on the RIGHT held-out states by top-1
-agreement with the target's next token, as SpecForge's evaluator judges purpose.py's drafters.
+target's) trained on each control's states, then judged on the RIGHT held-out states (the
+no-states baseline on zeros) by top-1 agreement with the target's next token, as SpecForge's evaluator judges purpose.py's drafters.
 The drafter is this file's own, not SpecForge's: the check is of the data's design.
 
   right       layers 2,3,5
   wrong       layers 1,2,4 (one below each: an off-by-one layer id)
-  shifted     2,3,5 one token late (an off-by-one position)
+  shifted     2,3,5 and the final state one token late, as purpose.py's shift_one_token moves
+              them (SpecForge's targets come from the final state: the labels move too)
   permuted    the layers concatenated as 5,2,3
-  tokens_only no states at all (zeros): what the tokens alone give
+  tokens_only not one of purpose.py's: no states at all (zeros, in training and judging), the
+              baseline of what the tokens alone give
 
 Languages: `phrases` (language.py's: each phrase followed by one of 3 successors, weights
 0.6/0.3/0.1) and `second_order` (the successor chosen by the phrase before the current one, 9
@@ -152,6 +154,11 @@ def control_states(states: torch.Tensor, name: str) -> torch.Tensor:
     return torch.zeros_like(s) if name == "tokens_only" else s
 
 
+def control_labels(greedy: torch.Tensor, name: str) -> torch.Tensor:
+    """The target's next tokens a control trains on: one token late where its states are."""
+    return torch.cat([greedy[:, :1], greedy[:, :-1]], 1) if name == "shifted" else greedy
+
+
 def drafter_top1(target, x_tr, s_tr, g_tr, x_te, s_te, g_te, epochs: int = 6, batch: int = 16,
                  lr: float = 1e-3) -> float:
     """Train on (states at t, token t+1) -> the target's greedy token after t+1; top-1 on held-out."""
@@ -189,7 +196,8 @@ def run(name: str, target_steps: int, n_train: int, n_heldout: int, length: int)
     top1 = {}
     for control in CONTROLS:
         te = torch.zeros_like(right_te) if control == "tokens_only" else right_te
-        top1[control] = drafter_top1(target, x_tr, control_states(s_tr, control), g_tr, x_te, te, g_te)
+        top1[control] = drafter_top1(target, x_tr, control_states(s_tr, control), control_labels(g_tr, control),
+                                     x_te, te, g_te)
         print(f"{name} {control}: {top1[control]}", flush=True)
     res["heldout_top1"] = top1
     miss = 1 - top1["right"]
