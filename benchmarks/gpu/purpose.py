@@ -163,7 +163,8 @@ class Run:
         finally:
             res["stop_s"] = round(srv.stop(), 1)
             log = srv.log()
-            res["hs_dump_lines"] = [x[-240:] for x in log.splitlines()
+            # from the tag on (a progress bar may share the line), whole: a warning is read in full
+            res["hs_dump_lines"] = [x[x.index("[HS_DUMP]"):][:400] for x in log.splitlines()
                                     if "[HS_DUMP]" in x and "hooks installed" not in x][:12]
             res["accept_lines"] = [x[-220:] for x in log.splitlines() if "accept len" in x.lower()][-3:]
             if self.a.out_dir:
@@ -223,7 +224,7 @@ class Run:
         st = doc.get("stats", {})
         return {"ok": doc.get("ok"), "samples_complete": st.get("samples_complete"),
                 "samples_incomplete": st.get("samples_incomplete"), "fidelity": st.get("reference_states"),
-                "findings": [f.get("message", "")[:200] for f in doc.get("findings", [])][:6]}
+                "findings": [f.get("message", "")[:400] for f in doc.get("findings", [])][:6]}
 
     # -- training data -----------------------------------------------------------------------
     def merge(self, dump: str, out: str, dataset: str, fmt: str = "specforge") -> dict:
