@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -284,6 +285,35 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
     with open(rank_meta_path(w.run_dir, w.rank)) as f:
         meta = json.load(f)
     assert meta["disk_bound"]["produced_gbps"] > 0 and meta["stats"]["steps_written"] == 5
+
+
+def test_the_reported_rates_are_those_of_the_last_steps_not_diluted_by_idle_time(monkeypatch):
+    # On the H200 a server idle between two sends reported "produced at 0.09 GB/s ... the disk is
+    # the limit" while its burst ran at ~1 GB/s: the rates were since the first step.
+    clock = [100.0]
+    # backlog's own clock only (patching time.monotonic itself would stop every thread's waits)
+    monkeypatch.setattr(backlog_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    b = backlog_mod.Backlog(1 << 40)  # never full: admit counts, it does not hold
+    written = 0
+    for t, n in [(100.0, 10**6), (101.0, 10**6)] + [(160.0 + k, 10**9) for k in range(5)]:
+        clock[0] = t  # two small steps, a minute idle, then a second of 1 GB steps
+        b.admit(n, block=True)
+        b.sample(written, written // 2)
+        written += n
+    clock[0] = 165.0
+    r = b.rates(written, written // 2, waited_s=1.5)
+    assert r["window_s"] == 5.0 and r["forward_waited_s"] == 1.5
+    assert r["produced_gbps"] == 0.8  # the 4 steps after the window's first one, over 5 s
+    assert r["written_gbps"] == 1.0 and r["to_disk_gbps"] == 0.5
+    since_start = b.produced / 1e9 / (165.0 - 100.0)
+    assert r["produced_gbps"] > 10 * since_start
+    # one step only: the rates since it (no history to take a window from)
+    one = backlog_mod.Backlog(1 << 30)
+    clock[0] = 200.0
+    one.admit(10**9, block=True)
+    one.sample(0, 0)
+    clock[0] = 202.0
+    assert one.rates(10**9, 10**9, 0.0)["produced_gbps"] == 0.5
 
 
 def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, Optional
+from collections import deque
+from typing import Deque, Dict, Optional, Tuple
 
 # Forwards held this long in total: the writer is behind even with raw writes.
 DISK_BOUND_AFTER_S = 1.0
+# The report's rates are over the steps of this last stretch, not since the first step: a
+# server idle between sends would otherwise report a fraction of what its disk writes.
+RATE_WINDOW_S = 10.0
 
 
 class Budget:
@@ -54,6 +58,8 @@ class Backlog:
         self._t0: Optional[float] = None
         self._waiting = 0
         self._lock = threading.Lock()
+        # (time, produced, written raw, to disk) at each step, the last RATE_WINDOW_S of them
+        self._history: Deque[Tuple[float, int, int, int]] = deque()
 
     def admit(self, nbytes: int, block: bool) -> bool:
         """A step produced: counted, then let in under the budget (False: full, not blocking)."""
@@ -82,12 +88,25 @@ class Backlog:
         """waited_s: every wait of the forwards (the budget's and the pinned buffers')."""
         return waited_s > DISK_BOUND_AFTER_S
 
-    def gbps(self, nbytes: int) -> float:
-        """nbytes over the time since the first step, in GB/s."""
-        return nbytes / 1e9 / max(1e-9, time.monotonic() - (self._t0 or time.monotonic()))
+    def sample(self, written_raw: int, to_disk: int) -> None:
+        """The counters as a step is submitted (the rates' history); keeps the last window."""
+        now = time.monotonic()
+        with self._lock:
+            self._history.append((now, self.produced, written_raw, to_disk))
+            while len(self._history) > 1 and self._history[0][0] < now - RATE_WINDOW_S:
+                self._history.popleft()
 
     def rates(self, written_raw: int, to_disk: int, waited_s: float) -> Dict[str, float]:
-        """What the disk-bound report says: forwards held, produced, written and on-disk rates."""
-        return {"time": time.time(), "forward_waited_s": round(waited_s, 3),
-                "produced_gbps": round(self.gbps(self.produced), 4), "written_gbps": round(self.gbps(written_raw), 4),
-                "to_disk_gbps": round(self.gbps(to_disk), 4)}
+        """What the disk-bound report says: forwards held, and the produced, written and on-disk
+        rates over the last window of steps (since the first step when it holds only one)."""
+        now = time.monotonic()
+        with self._lock:
+            base = self._history[0] if len(self._history) > 1 else (self._t0 or now, 0, 0, 0)
+        elapsed = max(1e-9, now - base[0])
+
+        def gbps(cur: int, then: int) -> float:
+            return round((cur - then) / 1e9 / elapsed, 4)
+
+        return {"time": time.time(), "forward_waited_s": round(waited_s, 3), "window_s": round(elapsed, 1),
+                "produced_gbps": gbps(self.produced, base[1]), "written_gbps": gbps(written_raw, base[2]),
+                "to_disk_gbps": gbps(to_disk, base[3])}

@@ -116,8 +116,11 @@ class ShardWriter:
         if not self._backlog.admit(nbytes, block=self.cfg.on_full == "block"):
             self._drop(step, line)
             return False
-        if not self._disk_bound_said and self._backlog.held_too_long(self._forward_waited_s()):
-            self._say_disk_bound()
+        if not self._disk_bound_said:
+            with self._stats_lock:
+                self._backlog.sample(self.stats["raw_bytes"], self.stats["file_bytes"])
+            if self._backlog.held_too_long(self._forward_waited_s()):
+                self._say_disk_bound()
         try:
             staged = self._stager.stage(tensors, inputs=INPUT_PARTS, block=self.cfg.on_full == "block")
         except BaseException:
@@ -147,9 +150,10 @@ class ShardWriter:
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
         log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (policy block: nothing "
-                    "lost, the server runs at the writer's pace). States produced at %.2f GB/s, written at %.2f "
-                    "GB/s (%.2f GB/s to disk), %d of %d steps raw: %s", self.rank.tag, rates["forward_waited_s"],
-                    rates["produced_gbps"], rates["written_gbps"], rates["to_disk_gbps"], n_raw, n, why)
+                    "lost, the server runs at the writer's pace). Over the last %.0f s: states produced at %.2f "
+                    "GB/s, written at %.2f GB/s (%.2f GB/s to disk); %d of %d steps raw: %s", self.rank.tag,
+                    rates["forward_waited_s"], rates["window_s"], rates["produced_gbps"], rates["written_gbps"],
+                    rates["to_disk_gbps"], n_raw, n, why)
 
     def _drop(self, step: int, line: IndexLine) -> None:
         self._count("steps_dropped")
