@@ -289,7 +289,7 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
 
 def test_the_reported_rates_are_those_of_the_last_steps_not_diluted_by_idle_time(monkeypatch):
     # On the H200 a server idle between two sends reported "produced at 0.09 GB/s ... the disk is
-    # the limit" while its burst ran at ~1 GB/s: the rates were since the first step.
+    # the limit" while its send produced 0.33 GB/s: the rates were since the first step.
     clock = [100.0]
     # backlog's own clock only (patching time.monotonic itself would stop every thread's waits)
     monkeypatch.setattr(backlog_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
