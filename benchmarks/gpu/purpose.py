@@ -53,6 +53,7 @@ import language  # noqa: E402
 from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 RIGHT, WRONG, SPEC_HOOK = "2,3,5", "1,2,4", "1,4"
+EVERY = "1,2,3,4,5"  # every layer of the 6-layer target after the embeddings (outlier steps)
 SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"]
 
@@ -133,14 +134,17 @@ class Run:
                 "--host", "127.0.0.1", "--port", str(port)]
 
     def serve(self, kind: str, dump: Optional[str] = None, layers: str = "", spec: Optional[str] = None,
-              send: bool = True, generate: bool = True, model: Optional[str] = None) -> dict:
+              send: bool = True, generate: bool = True, model: Optional[str] = None,
+              texts: Optional[str] = None) -> dict:
+        """texts: send only this file (no warm-up, no timed send) instead of the held-out and train texts."""
         model = model or self.model
         port = free_port()
         spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
         if dump is None:
             cmd = plain_command(os.path.join(self.work, "unused"), self.flags(port, model), self.server_env) + spec_flags
         else:
-            cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if kind == "on" else []), "--",
+            prenorm = kind == "on" or kind.endswith("outlier")
+            cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--",
                    *self.flags(port, model), *spec_flags]
         env = {**self.server_env}
         log_path = os.path.join(self.work, f"server-{kind}.log")
@@ -151,6 +155,9 @@ class Run:
             res["startup_s"] = round(srv.wait_healthy(), 1)
             # the held-out texts warm SGLang's kernels up (and are captured); the generations
             # come before the timed send, so no writer is still busy with 2 GB beside them
+            if texts:
+                res["send"] = self.send(srv.url, texts)
+                send = generate = False
             if send:
                 res["send_heldout"] = self.send(srv.url, os.path.join(self.data, "heldout.jsonl"))
             if generate:
@@ -216,15 +223,38 @@ class Run:
                     f.write(g.read())
         return path
 
-    def verify(self, kind: str = "on", model: Optional[str] = None) -> dict:
+    def verify(self, kind: str = "on", model: Optional[str] = None, dataset: Optional[str] = None,
+               samples: int = 8) -> dict:
         doc = hscap_json("verify", os.path.join(self.work, f"dump-{kind}"), "--dataset",
-                         self.sent(os.path.join(self.data, "sent.jsonl")), "-j", "16", "--reference",
-                         os.path.join(model or self.model, "text_model"), "--reference-samples", "8",
+                         dataset or self.sent(os.path.join(self.data, "sent.jsonl")), "-j", "16", "--reference",
+                         os.path.join(model or self.model, "text_model"), "--reference-samples", str(samples),
                          "--reference-device", self.a.reference_device, "--max-findings", "5", env=self.tool_env)
         st = doc.get("stats", {})
+        found = doc.get("findings", [])
         return {"ok": doc.get("ok"), "samples_complete": st.get("samples_complete"),
                 "samples_incomplete": st.get("samples_incomplete"), "fidelity": st.get("reference_states"),
-                "findings": [f.get("message", "")[:400] for f in doc.get("findings", [])][:6]}
+                "findings": [f.get("message", "")[:400] for f in found][:6],
+                # the samples a token of which left the rule: the outlier steps serve them again
+                "finding_rids": sorted({f["rid"] for f in found if f.get("check") == "reference" and f.get("rid")})}
+
+    def outlier(self, verified: str, model: Optional[str] = None) -> dict:
+        """The samples `verified`'s reference check failed on, served alone by a hooked server
+        capturing every layer (and the pre-norm state), then verified again: the first state
+        that leaves the rule is the layer where that token parts from transformers', and
+        whether it fails at all alone says if it depends on the batch it was served in."""
+        rids = set((self.res.get(verified) or {}).get("finding_rids") or [])
+        if not rids:
+            return {"skipped": f"{verified} named no sample out of the reference rule"}
+        kind = "outlier" if verified == "verify" else verified.replace("verify", "outlier")
+        texts = os.path.join(self.data, f"{kind}.jsonl")
+        with open(self.sent(os.path.join(self.data, "sent.jsonl"))) as f, open(texts, "w") as g:
+            g.writelines(line for line in f if json.loads(line)["id"] in rids)
+        dump = os.path.join(self.work, f"dump-{kind}")
+        shutil.rmtree(dump, ignore_errors=True)  # a rerun captures them afresh, never twice in one dump
+        res = {"rids": sorted(rids), "layers": EVERY,
+               "serve": self.serve(kind, dump, EVERY, model=model, texts=texts)}
+        res["verify"] = self.verify(kind, model, dataset=texts, samples=len(rids))
+        return res
 
     # -- training data -----------------------------------------------------------------------
     def merge(self, dump: str, out: str, dataset: str, fmt: str = "specforge") -> dict:
@@ -490,9 +520,10 @@ def main() -> None:
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
     # the steps whose answers are not yet known first: a run stopped early loses the known ones
     # (the untrained drafter's accept length, ~1) and int4, which needs only the target and can
-    # run in a later one (--steps target,int4_on,int4_verify,int4_off)
+    # run in a later one (--steps target,int4_on,int4_verify,int4_off,int4_outlier)
     ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_right,spec_hooked,"
-                                       "spec_hooked_verify,spec_untrained,int4_on,int4_verify,int4_off",
+                                       "spec_hooked_verify,outlier,spec_untrained,int4_on,int4_verify,int4_off,"
+                                       "int4_outlier",
                     help="which steps, in order")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -519,6 +550,9 @@ def main() -> None:
         "spec_hooked": lambda: r.serve("spec_hooked", os.path.join(r.work, "dump-spec_hooked"), SPEC_HOOK,
                                        spec=os.path.join(r.work, "drafter-right")),
         "spec_hooked_verify": lambda: r.verify("spec_hooked"),
+        # verify's failing samples again, alone, every layer captured: where does the token part?
+        "outlier": lambda: r.outlier("verify"),
+        "int4_outlier": lambda: r.outlier("int4_verify", r.quantized()),
         # the routed experts in int4 as Kimi-K2.5 ships them: plain and hooked server, verified
         # against transformers on the dequantized weights
         "int4_off": lambda: r.serve("int4_off", model=r.quantized()),
@@ -554,6 +588,14 @@ def summarize(res: dict) -> dict:
     for k in ("verify", "int4_verify"):
         v = res.get(k) or {}
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
+    for k in ("outlier", "int4_outlier"):  # per state, how far the served-alone samples came to the rule
+        o = res.get(k) or {}
+        if "verify" in o:
+            s[k] = {"rids": o.get("rids"), "ok": o["verify"].get("ok"), "findings": o["verify"].get("findings"),
+                    "worst_vs_bound": {st: (v or {}).get("worst_vs_bound")
+                                       for st, v in (o["verify"].get("fidelity") or {}).items()}}
+        elif o:
+            s[k] = o
     tr = res.get("train") or {}
     s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in tr.items() if isinstance(v, dict) and k != "speculators"}
     right = s["heldout_top1"].get("right")
