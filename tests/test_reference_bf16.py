@@ -80,6 +80,12 @@ def test_wrong_bf16_states_fail(bf16_dump):
         found = _judged(ref, [bad])
         assert found and any(m.startswith(where) for m in found), (where, found)
     assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
+    # the finding follows that token through every state: far off at the one state that is
+    # wrong, within the rule before and after it (a capture fault, not arithmetic parting)
+    msg = next(m for m in _judged(ref, [one_row]) if m.startswith("layer 3"))
+    trail = dict(x.rsplit(" ", 1) for x in msg.split("error over the limit: ")[1].split(", "))
+    assert set(trail) == {"layer 2", "layer 3", "layer 5", "final (post-norm)"}, msg
+    assert float(trail["layer 3"]) > 10 and max(float(v) for k, v in trail.items() if k != "layer 3") < 1, msg
     # a wrong token at a piece's first position is named as such: the server's prefill boundary
     starts = sorted(a.pieces)
     assert len(starts) > 1, a.pieces  # 170 tokens, chunked prefill of 128

@@ -133,9 +133,19 @@ def _where(row: int, pieces: Dict[int, int]) -> str:
     return f"position {row}, {first} of the piece captured at step {pieces[start]}"
 
 
+@dataclass
+class Judged:
+    """One state of one sample against the reference."""
+
+    max_abs: float
+    problem: Optional[str] = None  # None: the state passes
+    ratio: Optional[np.ndarray] = None  # per token, its error over the bf16/fp16 rule's limit
+    row: Optional[int] = None  # the first token out of the rule
+
+
 def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray], dtype: str,
-           tol: Tolerance, stats: StateStats, pieces: Optional[Dict[int, int]] = None) -> Tuple[float, Optional[str]]:
-    """(max |got - want|, None when `got` passes or else why not). Updates the state's stats."""
+           tol: Tolerance, stats: StateStats, pieces: Optional[Dict[int, int]] = None) -> Judged:
+    """How `got` compares with transformers' `want`. Updates the state's stats."""
     diff = got.astype(np.float32) - want
     m = float(np.abs(diff).max()) if diff.size else 0.0
     rel = _row_rel(diff, want) if diff.size else np.zeros(0)
@@ -153,11 +163,11 @@ def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarra
         bad = np.abs(diff) > atol + rtol * np.abs(want)
         if bad.any():
             row = int(np.argwhere(bad)[0][0])
-            return m, (f"{what}: max |stored - transformers| = {m:.3g} exceeds atol={atol:g} rtol={rtol:g} at "
-                       f"{int(bad.sum())} values (first at position {row})")
-        return m, None
+            return Judged(m, f"{what}: max |stored - transformers| = {m:.3g} exceeds atol={atol:g} rtol={rtol:g} "
+                             f"at {int(bad.sum())} values (first at position {row})")
+        return Judged(m)
     if not rel.size:
-        return m, None
+        return Judged(m)
     floor = max(float(np.median(noise)), _EPS[dtype] / 2)
     bound = NOISE_FACTOR * np.maximum(noise, floor)
     ratio = rel / bound
@@ -167,11 +177,18 @@ def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarra
     bad_rows = ratio > 1.0
     if bad_rows.any():
         row = int(np.argmax(bad_rows))
-        return m, (f"{what}: {int(bad_rows.sum())} of {rel.size} tokens differ from transformers float32 by more "
-                   f"than {NOISE_FACTOR:g}x transformers' own {dtype} error (first at {_where(row, pieces or {})}: "
-                   f"{rel[row]:.3g} vs {noise[row]:.3g} relative; the sample's median token is off by "
-                   f"{med:.2g}x transformers' own)")
-    return m, None
+        return Judged(m, f"{what}: {int(bad_rows.sum())} of {rel.size} tokens differ from transformers float32 by "
+                         f"more than {NOISE_FACTOR:g}x transformers' own {dtype} error (first at "
+                         f"{_where(row, pieces or {})}: {rel[row]:.3g} vs {noise[row]:.3g} relative; the sample's "
+                         f"median token is off by {med:.2g}x transformers' own)", ratio, row)
+    return Judged(m, None, ratio)
+
+
+def _through_the_states(row: int, judged: Dict[str, Judged]) -> str:
+    """One token's error over the rule's limit at every state compared, in layer order: growing
+    through the layers reads as arithmetic parting; one state far off alone, as a capture fault."""
+    parts = [f"{what} {j.ratio[row]:.2f}" for what, j in judged.items() if j.ratio is not None and row < j.ratio.size]
+    return "; that token, each state's error over the limit: " + ", ".join(parts) if len(parts) > 1 else ""
 
 
 def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tolerance) -> Dict[str, float]:
@@ -199,6 +216,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         if s.prenorm is not None:
             pairs.append(("final (pre-norm)", s.prenorm, pre, low_pre))
         w = 0.0
+        judged: Dict[str, Judged] = {}
         for what, got, want, low in pairs:
             if want is None or got.shape != want.shape:
                 report.add("reference", f"{what}: stored {list(got.shape)}, reference "
@@ -206,10 +224,12 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
                 w = float("inf")
                 continue
             stats = per_state.setdefault(what, StateStats())
-            m, problem = _judge(what, got, want, low, s.dtype, tol, stats, s.pieces)
-            w = max(w, m)
-            if problem:
-                report.add("reference", problem, path=s.path, rid=s.rid)
+            judged[what] = j = _judge(what, got, want, low, s.dtype, tol, stats, s.pieces)
+            w = max(w, j.max_abs)
+        for j in judged.values():
+            if j.problem:
+                trail = _through_the_states(j.row, judged) if j.row is not None else ""
+                report.add("reference", j.problem + trail, path=s.path, rid=s.rid)
         worst[s.rid] = w
     if worst:
         report.stats["reference_max_abs_diff"] = max(worst.values())
