@@ -307,6 +307,13 @@ def test_the_reported_rates_are_those_of_the_last_steps_not_diluted_by_idle_time
     assert r["written_gbps"] == 1.0 and r["to_disk_gbps"] == 0.5
     since_start = b.produced / 1e9 / (165.0 - 100.0)
     assert r["produced_gbps"] > 10 * since_start
+    # one step after another long pause: the rate since the step before it, not since the first
+    clock[0] = 200.0
+    b.admit(10**9, block=True)
+    b.sample(written, written // 2)
+    clock[0] = 204.0
+    r = b.rates(written, written // 2, waited_s=1.5)
+    assert r["window_s"] == 40.0 and r["produced_gbps"] == 0.025  # 1 GB since the step at 164 s
     # one step only: the rates since it (no history to take a window from)
     one = backlog_mod.Backlog(1 << 30)
     clock[0] = 200.0

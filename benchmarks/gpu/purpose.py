@@ -155,8 +155,8 @@ class Run:
             res["startup_s"] = round(srv.wait_healthy(), 1)
             # the held-out texts warm SGLang's kernels up (and are captured); the generations
             # come before the timed send, so no writer is still busy with 2 GB beside them
-            if texts:
-                res["send"] = self.send(srv.url, texts)
+            if texts:  # one at a time: each sample in a batch of its own
+                res["send"] = self.send(srv.url, texts, concurrency=1)
                 send = generate = False
             if send:
                 res["send_heldout"] = self.send(srv.url, os.path.join(self.data, "heldout.jsonl"))
@@ -178,8 +178,8 @@ class Run:
                 shutil.copy(log_path, os.path.join(self.a.out_dir, f"server-{kind}.log"))
         return res
 
-    def send(self, url: str, data: str) -> dict:
-        s = hscap_json("send", data, "--url", url, "-c", "64", env=self.tool_env)
+    def send(self, url: str, data: str, concurrency: int = 64) -> dict:
+        s = hscap_json("send", data, "--url", url, "-c", str(concurrency), env=self.tool_env)
         return {k: s.get(k) for k in ("sent", "failed", "tokens", "tokens_per_s", "wall_s") if k in s} or s
 
     def generate(self, url: str, kind: str) -> dict:
@@ -242,10 +242,15 @@ class Run:
         capturing every layer (and the pre-norm state), then verified again: the first state
         that leaves the rule is the layer where that token parts from transformers', and
         whether it fails at all alone says if it depends on the batch it was served in."""
-        rids = set((self.res.get(verified) or {}).get("finding_rids") or [])
+        done = self.res.get(verified) or {}
+        if not done or "error" in done:
+            raise RuntimeError(f"{verified} has no result to take its failing samples from")
+        kind = "outlier" if verified == "verify" else verified.replace("verify", "outlier")
+        if "finding_rids" not in done:  # a result from before verify kept them: ask it again
+            done = self.verify("on" if verified == "verify" else verified.replace("verify", "on"), model)
+        rids = set(done.get("finding_rids") or [])
         if not rids:
             return {"skipped": f"{verified} named no sample out of the reference rule"}
-        kind = "outlier" if verified == "verify" else verified.replace("verify", "outlier")
         texts = os.path.join(self.data, f"{kind}.jsonl")
         with open(self.sent(os.path.join(self.data, "sent.jsonl"))) as f, open(texts, "w") as g:
             g.writelines(line for line in f if json.loads(line)["id"] in rids)
@@ -522,7 +527,7 @@ def main() -> None:
     # (the untrained drafter's accept length, ~1) and int4, which needs only the target and can
     # run in a later one (--steps target,int4_on,int4_verify,int4_off,int4_outlier)
     ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_right,spec_hooked,"
-                                       "spec_hooked_verify,outlier,spec_untrained,int4_on,int4_verify,int4_off,"
+                                       "spec_hooked_verify,spec_untrained,int4_on,int4_verify,int4_off,outlier,"
                                        "int4_outlier",
                     help="which steps, in order")
     a = ap.parse_args()

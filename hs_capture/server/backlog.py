@@ -60,6 +60,7 @@ class Backlog:
         self._lock = threading.Lock()
         # (time, produced, written raw, to disk) at each step, the last RATE_WINDOW_S of them
         self._history: Deque[Tuple[float, int, int, int]] = deque()
+        self._before: Optional[Tuple[float, int, int, int]] = None  # the last one dropped from it
 
     def admit(self, nbytes: int, block: bool) -> bool:
         """A step produced: counted, then let in under the budget (False: full, not blocking)."""
@@ -94,14 +95,14 @@ class Backlog:
         with self._lock:
             self._history.append((now, self.produced, written_raw, to_disk))
             while len(self._history) > 1 and self._history[0][0] < now - RATE_WINDOW_S:
-                self._history.popleft()
+                self._before = self._history.popleft()
 
     def rates(self, written_raw: int, to_disk: int, waited_s: float) -> Dict[str, float]:
         """What the disk-bound report says: forwards held, and the produced, written and on-disk
-        rates over the last window of steps (since the first step when it holds only one)."""
+        rates over the last window of steps (with one step in it: since the step before)."""
         now = time.monotonic()
         with self._lock:
-            base = self._history[0] if len(self._history) > 1 else (self._t0 or now, 0, 0, 0)
+            base = (self._history[0] if len(self._history) > 1 else self._before or (self._t0 or now, 0, 0, 0))
         elapsed = max(1e-9, now - base[0])
 
         def gbps(cur: int, then: int) -> float:

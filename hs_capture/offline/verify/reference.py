@@ -211,10 +211,10 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
             return None if states is None or not 0 <= k < len(states) else states[k]
 
         pairs = [(f"layer {k}", got, pick(hs, k), pick(low_hs, k)) for k, got in sorted(s.layers.items())]
+        if s.prenorm is not None:  # the final norm's input, before its output: the states in order
+            pairs.append(("final (pre-norm)", s.prenorm, pre, low_pre))
         if s.final is not None:
             pairs.append(("final (post-norm)", s.final, hs[-1], None if low_hs is None else low_hs[-1]))
-        if s.prenorm is not None:
-            pairs.append(("final (pre-norm)", s.prenorm, pre, low_pre))
         w = 0.0
         judged: Dict[str, Judged] = {}
         for what, got, want, low in pairs:
