@@ -282,6 +282,7 @@ def test_a_disk_that_cannot_keep_up_is_reported_once_with_the_rates(tmp_path, mo
     assert w.close()
     said = [m for m in logged if "cannot keep up" in m]
     assert len(said) == 1 and "GB/s" in said[0] and "the disk is the limit" in said[0]
+    assert "by the in-flight budget" in said[0] and "waiting for a pinned buffer" in said[0]
     with open(rank_meta_path(w.run_dir, w.rank)) as f:
         meta = json.load(f)
     assert meta["disk_bound"]["produced_gbps"] > 0 and meta["stats"]["steps_written"] == 5
@@ -334,6 +335,8 @@ def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
     with open(rank_meta_path(w.run_dir, w.rank)) as f:
         meta = json.load(f)
     assert meta["disk_bound"]["forward_waited_s"] >= 2.0 and meta["stats"]["forward_waited_s"] >= 2.0
+    # and the report says which limit held them
+    assert meta["disk_bound"]["held_by_pinned_s"] >= 2.0 and meta["disk_bound"]["held_by_budget_s"] < 1.0
 
 
 def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path, monkeypatch):

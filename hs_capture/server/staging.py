@@ -55,6 +55,7 @@ class PinnedPool:
         self._cond = threading.Condition()
         self._largest = 0
         self.pinned_bytes = 0
+        self.buffers = 0  # made so far; those not in `_free` are in flight
         self.hot_allocs = 0  # allocations a forward had to wait for
         self.waited_s = 0.0  # time forwards waited for a buffer to come back
 
@@ -67,8 +68,14 @@ class PinnedPool:
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
         with self._cond:
             self.pinned_bytes += size
+            self.buffers += 1
             self._largest = max(self._largest, size)
         return buf
+
+    def in_flight(self) -> int:
+        """Buffers taken and not yet given back (their steps are not on disk yet)."""
+        with self._cond:
+            return self.buffers - len(self._free)
 
     def take(self, nbytes: int, block: bool = True) -> Optional[torch.Tensor]:
         """A buffer of at least nbytes; None only when `block` is False and the pool is at its cap."""

@@ -146,14 +146,22 @@ class ShardWriter:
             raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
                                    self.stats["steps_written"])
             rates = self._backlog.rates(raw, disk, self._forward_waited_s())
+            # which limit held them: the bytes in flight, or every pinned buffer (one per step,
+            # whatever its size) being in flight; the second with few bytes waiting means many small steps
+            pool = self._stager.pool
+            rates.update(held_by_budget_s=round(self._backlog.budget.waited_s, 3),
+                         held_by_pinned_s=round(pool.waited_s, 3), pinned_in_flight=pool.in_flight(),
+                         pinned_buffers=pool.buffers)
             self.run_meta.disk_bound = rates
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
-        log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (policy block: nothing "
-                    "lost, the server runs at the writer's pace). Over the last %.0f s: states produced at %.2f "
-                    "GB/s, written at %.2f GB/s (%.2f GB/s to disk); %d of %d steps raw: %s", self.rank.tag,
-                    rates["forward_waited_s"], rates["window_s"], rates["produced_gbps"], rates["written_gbps"],
-                    rates["to_disk_gbps"], n_raw, n, why)
+        log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (%.1f s by the in-flight "
+                    "budget, %.1f s waiting for a pinned buffer, %d of %d in flight; policy block: nothing lost, the "
+                    "server runs at the writer's pace). Over the last %.0f s: states produced at %.2f GB/s, written "
+                    "at %.2f GB/s (%.2f GB/s to disk); %d of %d steps raw: %s", self.rank.tag,
+                    rates["forward_waited_s"], rates["held_by_budget_s"], rates["held_by_pinned_s"],
+                    rates["pinned_in_flight"], rates["pinned_buffers"], rates["window_s"], rates["produced_gbps"],
+                    rates["written_gbps"], rates["to_disk_gbps"], n_raw, n, why)
 
     def _drop(self, step: int, line: IndexLine) -> None:
         self._count("steps_dropped")
