@@ -135,15 +135,15 @@ class Run:
 
     def serve(self, kind: str, dump: Optional[str] = None, layers: str = "", spec: Optional[str] = None,
               send: bool = True, generate: bool = True, model: Optional[str] = None,
-              texts: Optional[str] = None) -> dict:
-        """texts: send only this file (no warm-up, no timed send) instead of the held-out and train texts."""
+              texts: Optional[str] = None, prenorm: bool = False) -> dict:
+        """texts: send only this file (no warm-up, no timed send) instead of the held-out and train texts.
+        prenorm: the hook also captures the final norm's input."""
         model = model or self.model
         port = free_port()
         spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
         if dump is None:
             cmd = plain_command(os.path.join(self.work, "unused"), self.flags(port, model), self.server_env) + spec_flags
         else:
-            prenorm = kind == "on" or kind.endswith("outlier")
             cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--",
                    *self.flags(port, model), *spec_flags]
         env = {**self.server_env}
@@ -237,17 +237,17 @@ class Run:
                 # the samples a token of which left the rule: the outlier steps serve them again
                 "finding_rids": sorted({f["rid"] for f in found if f.get("check") == "reference" and f.get("rid")})}
 
-    def outlier(self, verified: str, model: Optional[str] = None) -> dict:
-        """The samples `verified`'s reference check failed on, served alone by a hooked server
+    def outlier(self, prefix: str = "", model: Optional[str] = None) -> dict:
+        """The samples `{prefix}verify`'s reference check failed on, served alone by a hooked server
         capturing every layer (and the pre-norm state), then verified again: the first state
         that leaves the rule is the layer where that token parts from transformers', and
         whether it fails at all alone says if it depends on the batch it was served in."""
+        verified, kind = prefix + "verify", prefix + "outlier"
         done = self.res.get(verified) or {}
         if not done or "error" in done:
             raise RuntimeError(f"{verified} has no result to take its failing samples from")
-        kind = "outlier" if verified == "verify" else verified.replace("verify", "outlier")
         if "finding_rids" not in done:  # a result from before verify kept them: ask it again
-            done = self.verify("on" if verified == "verify" else verified.replace("verify", "on"), model)
+            done = self.verify(prefix + "on", model)
         rids = set(done.get("finding_rids") or [])
         if not rids:
             return {"skipped": f"{verified} named no sample out of the reference rule"}
@@ -257,7 +257,7 @@ class Run:
         dump = os.path.join(self.work, f"dump-{kind}")
         shutil.rmtree(dump, ignore_errors=True)  # a rerun captures them afresh, never twice in one dump
         res = {"rids": sorted(rids), "layers": EVERY,
-               "serve": self.serve(kind, dump, EVERY, model=model, texts=texts)}
+               "serve": self.serve(kind, dump, EVERY, model=model, texts=texts, prenorm=True)}
         res["verify"] = self.verify(kind, model, dataset=texts, samples=len(rids))
         return res
 
@@ -543,7 +543,7 @@ def main() -> None:
         "target": r.target,
         "sp_prepare": r.sp_prepare,
         "off": lambda: r.serve("off"),
-        "on": lambda: r.serve("on", os.path.join(r.work, "dump-on"), RIGHT),
+        "on": lambda: r.serve("on", os.path.join(r.work, "dump-on"), RIGHT, prenorm=True),
         "wrong": lambda: r.serve("wrong", os.path.join(r.work, "dump-wrong"), WRONG, generate=False),
         "verify": r.verify,
         "data": r.data_step,
@@ -556,8 +556,8 @@ def main() -> None:
                                        spec=os.path.join(r.work, "drafter-right")),
         "spec_hooked_verify": lambda: r.verify("spec_hooked"),
         # verify's failing samples again, alone, every layer captured: where does the token part?
-        "outlier": lambda: r.outlier("verify"),
-        "int4_outlier": lambda: r.outlier("int4_verify", r.quantized()),
+        "outlier": lambda: r.outlier(),
+        "int4_outlier": lambda: r.outlier("int4_", r.quantized()),
         # the routed experts in int4 as Kimi-K2.5 ships them: plain and hooked server, verified
         # against transformers on the dequantized weights
         "int4_off": lambda: r.serve("int4_off", model=r.quantized()),
