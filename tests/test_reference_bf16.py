@@ -9,7 +9,7 @@ import pytest
 
 from hs_capture.offline.assemble import Assembler
 from hs_capture.offline.planning import plan
-from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, compare
+from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, _row_rel, compare
 from hs_capture.offline.verify.report import Report
 from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
 from tests.test_verify import verify
@@ -86,6 +86,17 @@ def test_wrong_bf16_states_fail(bf16_dump):
     trail = dict(x.rsplit(" ", 1) for x in msg.split("error over the limit: ")[1].split(", "))
     assert set(trail) == {"layer 2", "layer 3", "layer 5", "final (post-norm)"}, msg
     assert float(trail["layer 3"]) > 10 and max(float(v) for k, v in trail.items() if k != "layer 3") < 1, msg
+    # every token a little off (4.5x transformers' own median error, within each token's tail
+    # bound): a systematic fault the per-token rule lets through, the state's median catches
+    hs, _ = ref.states(a.input_ids, prenorm=False)
+    low, _ = ref.states(a.input_ids, prenorm=False, dtype="bfloat16")
+    med = float(np.median(_row_rel(low[3] - hs[3], hs[3])))
+    d = np.random.default_rng(0).standard_normal(hs[3].shape).astype(np.float32)
+    d *= (4.5 * med * np.linalg.norm(hs[3], axis=-1) / np.linalg.norm(d, axis=-1))[:, None]
+    drift = Stored(a.rid, None, a.input_ids, {**a.layers, 3: hs[3] + d}, a.final, None, "bfloat16")
+    found = _judged(ref, [drift])
+    assert [m for m in found if m.startswith("layer 3")] == [m for m in found if "the median token" in m], found
+    assert len(found) == 1 and "4.5x transformers' own bfloat16 median error" in found[0], found
     # a wrong token at a piece's first position is named as such: the server's prefill boundary
     starts = sorted(a.pieces)
     assert len(starts) > 1, a.pieces  # 170 tokens, chunked prefill of 128

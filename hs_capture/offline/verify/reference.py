@@ -7,11 +7,20 @@ state is hidden_states[-1] (after the final norm); the pre-norm state is the fin
 The tolerance follows the stored dtype. A float32 dump is held to fixed bounds (--atol,
 --rtol; defaults 1e-4 and 0). A bfloat16/float16 dump differs from a float32 forward by its
 own rounding, which grows through the layers and with each value's magnitude, so no fixed
-number fits every state: each token's state is instead compared with transformers' float32
-forward, and its relative error must stay within NOISE_FACTOR times what transformers' own
-forward in that dtype, on the same weights and tokens, is off by for that token (floored at
-the state's median and at half the dtype's epsilon). Another batch's states, a shifted row or
-a wrong layer are off by ~100% of the value; a right capture by ~1-2%, like the reference.
+number fits every state. Each token's relative error against transformers' float32 forward
+is held to what transformers' own forward in that dtype, on the same weights and tokens, is
+off by, in two ways:
+- each token within NOISE_FACTOR x transformers' own error at that token, or at the level its
+  worst TAIL of tokens reach in that state (over every sample compared; at least half the
+  dtype's epsilon). The tail and not the token alone: bf16 error is heavy-tailed, and two bf16
+  implementations (transformers', the server's kernels) round differently, so which tokens
+  land in the tail differs between them. On a trained target on an H200 transformers' own
+  worst token was 12x off its median, and the server's own tail token, paired with a token
+  transformers happened to round well, stood at 4.2x that token's error alone.
+- the state's median token within NOISE_FACTOR x transformers' own median: a fault that moves
+  every token a little (a wrong norm, a coarser dtype) fails here whatever the tail.
+Another batch's states, a shifted row or a wrong layer are off by ~100% of the value, tens of
+times the tail; a right capture by ~1-2%, like the reference.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import numpy as np
 
 from hs_capture.offline.verify.report import Report
 
-NOISE_FACTOR = 4.0  # a right capture measured at 0.8-1.0x transformers' own bf16 error (H200, sglang 0.5.15)
+NOISE_FACTOR = 4.0  # a right capture's median token measured at 0.73-0.77x transformers' own bf16 error (H200)
+TAIL = 0.01  # the floor: transformers' own error at its worst 1% of a state's tokens
 FLOAT_DTYPES = ("float32", "float64")
 _EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
@@ -70,10 +80,14 @@ class StateStats:
     ref_max_abs: Optional[float] = None  # transformers in the stored dtype vs float32, same tokens
     ref_max_rel: Optional[float] = None
     vs_ref_max_abs: Optional[float] = None  # stored vs transformers in the stored dtype
-    # the margin of the bf16/fp16 rule: a token's error over transformers' own for that token
-    # (the median token, of the worst sample: how the server's rounding compares with
-    # transformers'), and over its bound (the worst token: 1.0 is the rule's limit)
+    # the bf16/fp16 rule (every token of every sample compared in the state): the medians of the
+    # stored and of transformers' own error, and their ratio (how the server's rounding compares
+    # with transformers'); transformers' own error at its worst TAIL of tokens (the rule's floor);
+    # the worst token over its bound (1.0 is the rule's limit)
+    median_rel: Optional[float] = None
+    ref_median_rel: Optional[float] = None
     median_vs_ref: Optional[float] = None
+    ref_tail_rel: Optional[float] = None
     worst_vs_bound: Optional[float] = None
 
 
@@ -135,68 +149,112 @@ def _where(row: int, pieces: Dict[int, int]) -> str:
 
 @dataclass
 class Judged:
-    """One state of one sample against the reference."""
+    """One state of one sample under the bf16/fp16 rule."""
 
-    max_abs: float
+    ratio: np.ndarray  # per token, its error over the rule's limit
     problem: Optional[str] = None  # None: the state passes
-    ratio: Optional[np.ndarray] = None  # per token, its error over the bf16/fp16 rule's limit
     row: Optional[int] = None  # the first token out of the rule
 
 
-def _judge(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray], dtype: str,
-           tol: Tolerance, stats: StateStats, pieces: Optional[Dict[int, int]] = None) -> Judged:
-    """How `got` compares with transformers' `want`. Updates the state's stats."""
+@dataclass
+class _Noisy:
+    """One state of one sample under the bf16/fp16 rule, kept until every sample is in: the
+    rule's floor is the tail of transformers' own error over all the tokens compared."""
+
+    what: str
+    dtype: str
+    rel: np.ndarray  # per token: |stored - float32| / |float32|
+    noise: np.ndarray  # per token: |transformers in the stored dtype - float32| / |float32|
+
+
+@dataclass
+class _Limit:
+    """A state's bf16/fp16 rule, from every token compared in it."""
+
+    floor: float  # transformers' own error at its worst TAIL of tokens (at least half an epsilon)
+    median_rel: float
+    ref_median_rel: float
+
+    @property
+    def median_vs_ref(self) -> float:
+        return self.median_rel / max(self.ref_median_rel, np.finfo(np.float32).tiny)
+
+
+def _judge_fixed(what: str, diff: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> Optional[str]:
+    bad = np.abs(diff) > atol + rtol * np.abs(want)
+    if not bad.any():
+        return None
+    row = int(np.argwhere(bad)[0][0])
+    return (f"{what}: max |stored - transformers| = {float(np.abs(diff).max()):.3g} exceeds atol={atol:g} "
+            f"rtol={rtol:g} at {int(bad.sum())} values (first at position {row})")
+
+
+def _measure(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray], dtype: str,
+             stats: StateStats) -> Tuple[np.ndarray, float, Optional[np.ndarray]]:
+    """got - want, its max |.|, and transformers' own per-token error in `dtype` (low given).
+    Updates the state's stats."""
     diff = got.astype(np.float32) - want
     m = float(np.abs(diff).max()) if diff.size else 0.0
-    rel = _row_rel(diff, want) if diff.size else np.zeros(0)
     stats.max_abs = max(stats.max_abs, m)
-    stats.max_rel = max(stats.max_rel, float(rel.max()) if rel.size else 0.0)
-    fixed = tol.fixed(dtype)
+    if diff.size:
+        stats.max_rel = max(stats.max_rel, float(_row_rel(diff, want).max()))
+    noise = None
     if low is not None:
-        noise_diff = low - want
-        noise = _row_rel(noise_diff, want) if diff.size else np.zeros(0)
-        stats.ref_max_abs = max(stats.ref_max_abs or 0.0, float(np.abs(noise_diff).max()) if diff.size else 0.0)
-        stats.ref_max_rel = max(stats.ref_max_rel or 0.0, float(noise.max()) if noise.size else 0.0)
-        stats.vs_ref_max_abs = max(stats.vs_ref_max_abs or 0.0, float(np.abs(got - low).max()) if diff.size else 0.0)
-    if fixed is not None:
-        atol, rtol = fixed
-        bad = np.abs(diff) > atol + rtol * np.abs(want)
-        if bad.any():
-            row = int(np.argwhere(bad)[0][0])
-            return Judged(m, f"{what}: max |stored - transformers| = {m:.3g} exceeds atol={atol:g} rtol={rtol:g} "
-                             f"at {int(bad.sum())} values (first at position {row})")
-        return Judged(m)
-    if not rel.size:
-        return Judged(m)
-    floor = max(float(np.median(noise)), _EPS[dtype] / 2)
-    bound = NOISE_FACTOR * np.maximum(noise, floor)
-    ratio = rel / bound
-    stats.worst_vs_bound = max(stats.worst_vs_bound or 0.0, float(ratio.max()))
-    med = float(np.median(rel / np.maximum(noise, _EPS[dtype] / 2)))
-    stats.median_vs_ref = med if stats.median_vs_ref is None else max(stats.median_vs_ref, med)
-    bad_rows = ratio > 1.0
-    if bad_rows.any():
-        row = int(np.argmax(bad_rows))
-        return Judged(m, f"{what}: {int(bad_rows.sum())} of {rel.size} tokens differ from transformers float32 by "
-                         f"more than {NOISE_FACTOR:g}x transformers' own {dtype} error (first at "
-                         f"{_where(row, pieces or {})}: {rel[row]:.3g} vs {noise[row]:.3g} relative; the sample's "
-                         f"median token is off by {med:.2g}x transformers' own)", ratio, row)
-    return Judged(m, None, ratio)
+        noise = _row_rel(low - want, want)
+        if diff.size:
+            stats.ref_max_abs = max(stats.ref_max_abs or 0.0, float(np.abs(low - want).max()))
+            stats.ref_max_rel = max(stats.ref_max_rel or 0.0, float(noise.max()))
+            stats.vs_ref_max_abs = max(stats.vs_ref_max_abs or 0.0, float(np.abs(got - low).max()))
+    return diff, m, noise
+
+
+def _limits(noisy: Iterable[_Noisy]) -> Dict[Tuple[str, str], _Limit]:
+    """Per (state, dtype): the floor and the medians, over every token of every sample compared."""
+    pooled: Dict[Tuple[str, str], Tuple[List[np.ndarray], List[np.ndarray]]] = {}
+    for n in noisy:
+        rels, noises = pooled.setdefault((n.what, n.dtype), ([], []))
+        rels.append(n.rel)
+        noises.append(n.noise)
+    out = {}
+    for (what, dtype), (rels, noises) in pooled.items():
+        rel, noise = np.concatenate(rels), np.concatenate(noises)
+        if not rel.size:
+            continue
+        out[(what, dtype)] = _Limit(max(float(np.quantile(noise, 1 - TAIL)), _EPS[dtype] / 2),
+                                    float(np.median(rel)), float(np.median(noise)))
+    return out
+
+
+def _judge_noisy(n: _Noisy, limit: _Limit, pieces: Dict[int, int]) -> Judged:
+    """Each token within NOISE_FACTOR x transformers' own error at that token, or at the tail."""
+    ratio = n.rel / (NOISE_FACTOR * np.maximum(n.noise, limit.floor))
+    bad = ratio > 1.0
+    if not bad.any():
+        return Judged(ratio)
+    row = int(np.argmax(bad))
+    return Judged(ratio, f"{n.what}: {int(bad.sum())} of {n.rel.size} tokens differ from transformers float32 by more "
+                       f"than {NOISE_FACTOR:g}x transformers' own {n.dtype} error at that token or at its worst "
+                       f"{TAIL:.0%} of tokens (first at {_where(row, pieces)}: {n.rel[row]:.3g} vs {n.noise[row]:.3g} "
+                       f"at that token, {limit.floor:.3g} at the {TAIL:.0%})", row)
 
 
 def _through_the_states(row: int, judged: Dict[str, Judged]) -> str:
     """One token's error over the rule's limit at every state compared, in layer order: growing
     through the layers reads as arithmetic parting; one state far off alone, as a capture fault."""
-    parts = [f"{what} {j.ratio[row]:.2f}" for what, j in judged.items() if j.ratio is not None and row < j.ratio.size]
+    parts = [f"{what} {j.ratio[row]:.2f}" for what, j in judged.items() if row < j.ratio.size]
     return "; that token, each state's error over the limit: " + ", ".join(parts) if len(parts) > 1 else ""
 
 
 def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tolerance) -> Dict[str, float]:
     """Each stored sample against the recomputed one; returns rid -> worst max |difference|.
-    Per-state figures go to report.stats["reference_states"]."""
+    Per-state figures go to report.stats["reference_states"].
+
+    Two passes: every sample is recomputed first, as the bf16/fp16 rule's floor is the tail of
+    transformers' own error over all the tokens compared in a state, then each is judged."""
     worst: Dict[str, float] = {}
     per_state: Dict[str, StateStats] = {}
     dtypes: List[str] = []
+    seen: List[Tuple[Stored, Dict[str, str], List[_Noisy]]] = []  # sample, fixed-rule problems, noisy states
     for s in samples:
         report.looked("reference")
         prenorm = s.prenorm is not None
@@ -216,21 +274,46 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         if s.final is not None:
             pairs.append(("final (post-norm)", s.final, hs[-1], None if low_hs is None else low_hs[-1]))
         w = 0.0
-        judged: Dict[str, Judged] = {}
+        fixed_problems: Dict[str, str] = {}
+        noisy: List[_Noisy] = []
         for what, got, want, low in pairs:
             if want is None or got.shape != want.shape:
                 report.add("reference", f"{what}: stored {list(got.shape)}, reference "
                                         f"{None if want is None else list(want.shape)}", path=s.path, rid=s.rid)
                 w = float("inf")
                 continue
-            stats = per_state.setdefault(what, StateStats())
-            judged[what] = j = _judge(what, got, want, low, s.dtype, tol, stats, s.pieces)
-            w = max(w, j.max_abs)
-        for j in judged.values():
+            diff, m, noise = _measure(what, got, want, low, s.dtype, per_state.setdefault(what, StateStats()))
+            w = max(w, m)
+            fixed = tol.fixed(s.dtype)
+            if fixed is not None:
+                problem = _judge_fixed(what, diff, want, *fixed)
+                if problem:
+                    fixed_problems[what] = problem
+            elif diff.size and noise is not None:
+                noisy.append(_Noisy(what, s.dtype, _row_rel(diff, want), noise))
+        worst[s.rid] = w
+        seen.append((s, fixed_problems, noisy))
+
+    limits = _limits(n for _, _, noisy in seen for n in noisy)
+    for (what, dtype), lim in limits.items():
+        st = per_state[what]
+        st.median_rel, st.ref_median_rel, st.ref_tail_rel = lim.median_rel, lim.ref_median_rel, lim.floor
+        st.median_vs_ref = lim.median_vs_ref
+        if lim.median_vs_ref > NOISE_FACTOR:  # the bulk moved: a systematic fault, whatever the tail
+            report.add("reference", f"{what}: the median token differs from transformers float32 by "
+                                    f"{lim.median_vs_ref:.2g}x transformers' own {dtype} median error "
+                                    f"({lim.median_rel:.3g} vs {lim.ref_median_rel:.3g} relative, every "
+                                    f"sample compared): more than {NOISE_FACTOR:g}x")
+    for s, fixed_problems, noisy in seen:
+        for what, problem in fixed_problems.items():
+            report.add("reference", problem, path=s.path, rid=s.rid)
+        judged = {n.what: _judge_noisy(n, limits[(n.what, n.dtype)], s.pieces) for n in noisy}
+        for what, j in judged.items():
+            st = per_state[what]
+            st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(j.ratio.max()))
             if j.problem:
                 trail = _through_the_states(j.row, judged) if j.row is not None else ""
                 report.add("reference", j.problem + trail, path=s.path, rid=s.rid)
-        worst[s.rid] = w
     if worst:
         report.stats["reference_max_abs_diff"] = max(worst.values())
         report.stats["reference_samples"] = len(worst)
