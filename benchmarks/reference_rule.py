@@ -123,7 +123,10 @@ def main() -> None:
                         "max": float(rel.max()), "median_vs_ref": round(lim.median_vs_ref, 3),
                         "rule_worst": round(min(rule) if fault else max(rule), 3),
                         "pairing_worst": round(min(pair) if fault else max(pair), 3),
-                        "pairing_tokens_over": int(sum((pairing(r[cand], r["noise"]) > 1).sum() for r in have))}
+                        "pairing_tokens_over": int(sum((pairing(r[cand], r["noise"]) > 1).sum() for r in have)),
+                        # the worst token's error over transformers' own at that token
+                        "over_own_token_max": round(float(max((r[cand] / np.maximum(r["noise"], 1e-12)).max()
+                                                              for r in have)), 2)}
         out[state] = st
     res = {"command": "python benchmarks/reference_rule.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
            "samples": len(rids), "device": a.device,
