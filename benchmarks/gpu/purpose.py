@@ -27,6 +27,8 @@ One run, every step resumable (a step whose result is in the results file is ski
              outputs, and `hscap verify --dataset --reference` of what it captured
   int4_*     the routed experts packed as Kimi-K2.5 ships them (int4.py): the hooked and the
              plain server, verify against transformers on the dequantized weights
+  rule       verify's bf16 rule measured on the `on` dump (benchmarks/reference_rule.py): the
+             server and transformers' eager-attention bf16 forward, beside faults
 
 usage: python benchmarks/gpu/purpose.py --root DIR --site SITE --out RESULTS.json [--steps ...]
 (bash benchmarks/gpu/device.sh purpose ... stages SITE and runs it; benchmarks/README.md)
@@ -260,6 +262,20 @@ class Run:
                "serve": self.serve(kind, dump, EVERY, model=model, texts=texts, prenorm=True)}
         res["verify"] = self.verify(kind, model, dataset=texts, samples=len(rids))
         return res
+
+    def rule(self, kind: str = "on", model: Optional[str] = None) -> dict:
+        """verify's bf16 rule measured on this dump (benchmarks/reference_rule.py): the server
+        and a second right bf16 forward (transformers' eager attention) against the rule and the
+        per-token pairing it replaced, beside faults made from the dump."""
+        out = os.path.join(self.work, f"rule-{kind}.json")
+        cmd = [sys.executable, os.path.join(REPO, "benchmarks", "reference_rule.py"), "--dump",
+               os.path.join(self.work, f"dump-{kind}"), "--model", os.path.join(model or self.model, "text_model"),
+               "--samples", "64", "--device", self.a.reference_device, "--out", out]
+        p = subprocess.run(cmd, cwd=REPO, env=self.tool_env, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise RuntimeError(f"reference_rule.py exited {p.returncode}: {p.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
 
     # -- training data -----------------------------------------------------------------------
     def merge(self, dump: str, out: str, dataset: str, fmt: str = "specforge") -> dict:
@@ -528,7 +544,7 @@ def main() -> None:
     # run in a later one (--steps target,int4_on,int4_verify,int4_off,int4_outlier)
     ap.add_argument("--steps", default="target,sp_prepare,off,on,wrong,verify,data,train,spec_right,spec_hooked,"
                                        "spec_hooked_verify,spec_untrained,int4_on,int4_verify,int4_off,outlier,"
-                                       "int4_outlier",
+                                       "int4_outlier,rule",
                     help="which steps, in order")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -563,6 +579,8 @@ def main() -> None:
         "int4_off": lambda: r.serve("int4_off", model=r.quantized()),
         "int4_on": lambda: r.serve("int4_on", os.path.join(r.work, "dump-int4_on"), RIGHT, model=r.quantized()),
         "int4_verify": lambda: r.verify("int4_on", r.quantized()),
+        # verify's bf16 rule measured on the `on` dump: the server and transformers' eager forward
+        "rule": lambda: r.rule(),
     }
     names = a.steps.split(",")
     for i, name in enumerate(names):
@@ -604,6 +622,11 @@ def summarize(res: dict) -> dict:
                                        for st, v in (o["verify"].get("fidelity") or {}).items()}}
         elif o:
             s[k] = o
+    rule = (res.get("rule") or {}).get("states") or {}
+    if rule:  # per state: the worst token over its limit, by verify's rule and by the pairing before it
+        s["reference_rule"] = {st: {c: {"rule": v[c]["rule_worst"], "pairing": v[c]["pairing_worst"]}
+                                    for c in ("server", "transformers_eager", "other_sample_token") if c in v}
+                               for st, v in rule.items()}
     tr = res.get("train") or {}
     s["heldout_top1"] = {k: v.get("heldout_top1") for k, v in tr.items() if isinstance(v, dict) and k != "speculators"}
     right = s["heldout_top1"].get("right")
