@@ -83,11 +83,11 @@ def test_wrong_bf16_states_fail(bf16_dump):
     # the finding follows that token through every state: far off at the one state that is
     # wrong, within the rule before and after it (a capture fault, not arithmetic parting)
     msg = next(m for m in _judged(ref, [one_row]) if m.startswith("layer 3"))
-    trail = dict(x.rsplit(" ", 1) for x in msg.split("error over the limit: ")[1].split(", "))
+    trail = dict(x.rsplit(" ", 1) for x in msg.split("error over transformers' own x4: ")[1].split(", "))
     assert set(trail) == {"layer 2", "layer 3", "layer 5", "final (post-norm)"}, msg
     assert float(trail["layer 3"]) > 10 and max(float(v) for k, v in trail.items() if k != "layer 3") < 1, msg
-    # every token a little off (4.5x transformers' own median error, within each token's tail
-    # bound): a systematic fault the per-token rule lets through, the state's median catches
+    # every token a little off (4.5x transformers' own median error: within the level of its
+    # worst 1% of tokens): far more tokens over their pairing than the tail allows
     hs, _ = ref.states(a.input_ids, prenorm=False)
     low, _ = ref.states(a.input_ids, prenorm=False, dtype="bfloat16")
     med = float(np.median(_row_rel(low[3] - hs[3], hs[3])))
@@ -95,8 +95,8 @@ def test_wrong_bf16_states_fail(bf16_dump):
     d *= (4.5 * med * np.linalg.norm(hs[3], axis=-1) / np.linalg.norm(d, axis=-1))[:, None]
     drift = Stored(a.rid, None, a.input_ids, {**a.layers, 3: hs[3] + d}, a.final, None, "bfloat16")
     found = _judged(ref, [drift])
-    assert [m for m in found if m.startswith("layer 3")] == [m for m in found if "the median token" in m], found
-    assert len(found) == 1 and "4.5x transformers' own bfloat16 median error" in found[0], found
+    assert len(found) == 1 and found[0].startswith("layer 3: ") and "where 2 may (the tail)" in found[0], found
+    assert int(found[0].split(": ")[1].split(" of ")[0]) > 20, found
     # a wrong token at a piece's first position is named as such: the server's prefill boundary
     starts = sorted(a.pieces)
     assert len(starts) > 1, a.pieces  # 170 tokens, chunked prefill of 128

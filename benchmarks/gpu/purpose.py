@@ -623,8 +623,9 @@ def summarize(res: dict) -> dict:
         elif o:
             s[k] = o
     rule = (res.get("rule") or {}).get("states") or {}
-    if rule:  # per state: the worst token over its limit, by verify's rule and by the pairing before it
-        s["reference_rule"] = {st: {c: {"rule": v[c]["rule_worst"], "pairing": v[c]["pairing_worst"]}
+    if rule:  # per state: samples failing by verify's rule and by the pairing before it, and the worst token
+        s["reference_rule"] = {st: {c: {k: v[c].get(k) for k in ("samples", "rule_failing", "pairing_failing",
+                                                                 "rule_worst", "draws4_failing")}
                                     for c in ("server", "transformers_eager", "other_sample_token") if c in v}
                                for st, v in rule.items()}
     tr = res.get("train") or {}

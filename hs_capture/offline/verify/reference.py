@@ -9,18 +9,18 @@ The tolerance follows the stored dtype. A float32 dump is held to fixed bounds (
 own rounding, which grows through the layers and with each value's magnitude, so no fixed
 number fits every state. Each token's relative error against transformers' float32 forward
 is held to what transformers' own forward in that dtype, on the same weights and tokens, is
-off by, in two ways:
-- each token within NOISE_FACTOR x transformers' own error at that token, or at the level its
-  worst TAIL of tokens reach in that state (over every sample compared; at least half the
-  dtype's epsilon). The tail and not the token alone: bf16 error is heavy-tailed, and two bf16
-  implementations (transformers', the server's kernels) round differently, so which tokens
-  land in the tail differs between them. On a trained target on an H200 transformers' own
-  worst token was 12x off its median, and the server's own tail token, paired with a token
-  transformers happened to round well, stood at 4.2x that token's error alone.
-- the state's median token within NOISE_FACTOR x transformers' own median: a fault that moves
-  every token a little (a wrong norm, a coarser dtype) fails here whatever the tail.
+off by:
+- each token within NOISE_FACTOR x transformers' own error at that token (floored at the
+  sample's median and at half the dtype's epsilon): the pairing;
+- except its tail: bf16 error is heavy-tailed, and two bf16 implementations (transformers',
+  the server's kernels) round differently, so which tokens land in the tail differs between
+  them (benchmarks/reference_rule.py: transformers against itself with another attention
+  kernel fails the pairing on 1-3 tokens of 48,941). So up to TAIL of a sample's tokens (at
+  least one) may instead be within NOISE_FACTOR x the level transformers' own error reaches
+  at its worst TAIL of the state's tokens, over every sample compared: the server may have
+  as many tail tokens as transformers has, no more and no further out.
 Another batch's states, a shifted row or a wrong layer are off by ~100% of the value, tens of
-times the tail; a right capture by ~1-2%, like the reference.
+times either bound, on more tokens than the tail; a right capture by ~1-2%, like the reference.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ import numpy as np
 
 from hs_capture.offline.verify.report import Report
 
-NOISE_FACTOR = 4.0  # a right capture's median token measured at 0.73-0.77x transformers' own bf16 error (H200)
-TAIL = 0.01  # the floor: transformers' own error at its worst 1% of a state's tokens
+NOISE_FACTOR = 4.0  # a right capture's typical token: ~0.7-0.95x transformers' own bf16 error (H200, CPU)
+# the tail a bf16 implementation may put elsewhere than transformers': by definition 1% of
+# transformers' own tokens lie beyond its 99th percentile
+TAIL = 0.01
 FLOAT_DTYPES = ("float32", "float64")
 _EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 
@@ -80,14 +82,16 @@ class StateStats:
     ref_max_abs: Optional[float] = None  # transformers in the stored dtype vs float32, same tokens
     ref_max_rel: Optional[float] = None
     vs_ref_max_abs: Optional[float] = None  # stored vs transformers in the stored dtype
-    # the bf16/fp16 rule (every token of every sample compared in the state): the medians of the
-    # stored and of transformers' own error, and their ratio (how the server's rounding compares
-    # with transformers'); transformers' own error at its worst TAIL of tokens (the rule's floor);
-    # the worst token over its bound (1.0 is the rule's limit)
+    # the bf16/fp16 rule: the medians of the stored and of transformers' own error over every
+    # token compared, and their ratio (how the server's rounding compares with transformers');
+    # transformers' own error at its worst TAIL of tokens (the tail's level); the tokens over the
+    # pairing (of all compared: the tail) and the worst one's error over its bound (1.0 is the
+    # rule's limit: over the pairing for a token in a sample's tail allowance, else over the tail's)
     median_rel: Optional[float] = None
     ref_median_rel: Optional[float] = None
     median_vs_ref: Optional[float] = None
     ref_tail_rel: Optional[float] = None
+    tail_tokens: Optional[int] = None
     worst_vs_bound: Optional[float] = None
 
 
@@ -151,7 +155,9 @@ def _where(row: int, pieces: Dict[int, int]) -> str:
 class Judged:
     """One state of one sample under the bf16/fp16 rule."""
 
-    ratio: np.ndarray  # per token, its error over the rule's limit
+    pairing: np.ndarray  # per token, its error over 4x transformers' own at that token
+    ratio: np.ndarray  # per token, over its bound: the pairing's, or for a token over it the tail's
+    tail_tokens: int  # tokens over the pairing
     problem: Optional[str] = None  # None: the state passes
     row: Optional[int] = None  # the first token out of the rule
 
@@ -159,7 +165,7 @@ class Judged:
 @dataclass
 class _Noisy:
     """One state of one sample under the bf16/fp16 rule, kept until every sample is in: the
-    rule's floor is the tail of transformers' own error over all the tokens compared."""
+    tail's level is transformers' own error over all the tokens compared in the state."""
 
     what: str
     dtype: str
@@ -169,35 +175,37 @@ class _Noisy:
 
 @dataclass
 class _Limit:
-    """A state's bf16/fp16 rule, from every token compared in it."""
+    """A state's figures over every token compared in it."""
 
-    floor: float  # transformers' own error at its worst TAIL of tokens (at least half an epsilon)
+    tail: float  # transformers' own error at its worst TAIL of tokens (at least half an epsilon)
     median_rel: float
-    ref_median_rel: float
+    ref_median_rel: float  # at least half an epsilon, as the per-token floor
 
     @property
     def median_vs_ref(self) -> float:
-        return self.median_rel / max(self.ref_median_rel, np.finfo(np.float32).tiny)
+        return self.median_rel / self.ref_median_rel
 
 
 def _judge_fixed(what: str, diff: np.ndarray, want: np.ndarray, atol: float, rtol: float) -> Optional[str]:
-    bad = np.abs(diff) > atol + rtol * np.abs(want)
+    """A float32 dump (or --atol/--rtol given): every value within atol + rtol x |value|."""
+    bad = ~(np.abs(diff) <= atol + rtol * np.abs(want))  # NaN is out of bounds too
     if not bad.any():
         return None
     row = int(np.argwhere(bad)[0][0])
-    return (f"{what}: max |stored - transformers| = {float(np.abs(diff).max()):.3g} exceeds atol={atol:g} "
+    return (f"{what}: max |stored - transformers| = {float(np.nanmax(np.abs(diff))):.3g} exceeds atol={atol:g} "
             f"rtol={rtol:g} at {int(bad.sum())} values (first at position {row})")
 
 
-def _measure(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray], dtype: str,
+def _measure(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray],
              stats: StateStats) -> Tuple[np.ndarray, float, Optional[np.ndarray]]:
-    """got - want, its max |.|, and transformers' own per-token error in `dtype` (low given).
-    Updates the state's stats."""
+    """got - want, its max |.| (inf where a value is not finite), and transformers' own
+    per-token error in the stored dtype (low given). Updates the state's stats."""
     diff = got.astype(np.float32) - want
     m = float(np.abs(diff).max()) if diff.size else 0.0
+    m = m if np.isfinite(m) else float("inf")
     stats.max_abs = max(stats.max_abs, m)
     if diff.size:
-        stats.max_rel = max(stats.max_rel, float(_row_rel(diff, want).max()))
+        stats.max_rel = max(stats.max_rel, float(np.nan_to_num(_row_rel(diff, want), nan=np.inf).max()))
     noise = None
     if low is not None:
         noise = _row_rel(low - want, want)
@@ -209,7 +217,7 @@ def _measure(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndar
 
 
 def _limits(noisy: Iterable[_Noisy]) -> Dict[Tuple[str, str], _Limit]:
-    """Per (state, dtype): the floor and the medians, over every token of every sample compared."""
+    """Per (state, dtype): the tail's level and the medians, over every token of every sample."""
     pooled: Dict[Tuple[str, str], Tuple[List[np.ndarray], List[np.ndarray]]] = {}
     for n in noisy:
         rels, noises = pooled.setdefault((n.what, n.dtype), ([], []))
@@ -218,43 +226,59 @@ def _limits(noisy: Iterable[_Noisy]) -> Dict[Tuple[str, str], _Limit]:
     out = {}
     for (what, dtype), (rels, noises) in pooled.items():
         rel, noise = np.concatenate(rels), np.concatenate(noises)
-        if not rel.size:
-            continue
-        out[(what, dtype)] = _Limit(max(float(np.quantile(noise, 1 - TAIL)), _EPS[dtype] / 2),
-                                    float(np.median(rel)), float(np.median(noise)))
+        if rel.size:
+            half_eps = _EPS[dtype] / 2
+            out[(what, dtype)] = _Limit(max(float(np.quantile(noise, 1 - TAIL)), half_eps),
+                                        float(np.median(rel)), max(float(np.median(noise)), half_eps))
     return out
 
 
+def tail_allowed(tokens: int) -> int:
+    """How many of a sample's tokens may be over the pairing (within the tail's bound)."""
+    return max(1, int(np.ceil(TAIL * tokens)))
+
+
 def _judge_noisy(n: _Noisy, limit: _Limit, pieces: Dict[int, int]) -> Judged:
-    """Each token within NOISE_FACTOR x transformers' own error at that token, or at the tail."""
-    ratio = n.rel / (NOISE_FACTOR * np.maximum(n.noise, limit.floor))
-    bad = ratio > 1.0
-    if not bad.any():
-        return Judged(ratio)
-    row = int(np.argmax(bad))
-    return Judged(ratio, f"{n.what}: {int(bad.sum())} of {n.rel.size} tokens differ from transformers float32 by more "
-                       f"than {NOISE_FACTOR:g}x transformers' own {n.dtype} error at that token or at its worst "
-                       f"{TAIL:.0%} of tokens (first at {_where(row, pieces)}: {n.rel[row]:.3g} vs {n.noise[row]:.3g} "
-                       f"at that token, {limit.floor:.3g} at the {TAIL:.0%})", row)
+    """Each token within the pairing, but up to tail_allowed of them within the tail's bound."""
+    own = np.maximum(n.noise, max(float(np.median(n.noise)), _EPS[n.dtype] / 2))
+    pairing = n.rel / (NOISE_FACTOR * own)
+    tail = n.rel / (NOISE_FACTOR * np.maximum(own, limit.tail))
+    over = ~(pairing <= 1.0)  # NaN is over
+    ratio = np.where(over, tail, pairing)
+    beyond = ~(tail <= 1.0)
+    count, allowed = int(over.sum()), tail_allowed(n.rel.size)
+    if not beyond.any() and count <= allowed:
+        return Judged(pairing, ratio, count)
+    row = int(np.argmax(beyond)) if beyond.any() else int(np.argmax(over))
+    why = (f"{int(beyond.sum())} of {n.rel.size} tokens differ from transformers float32 by more than "
+           f"{NOISE_FACTOR:g}x even the level transformers' own {n.dtype} error reaches at its worst {TAIL:.0%} "
+           f"of tokens" if beyond.any() else
+           f"{count} of {n.rel.size} tokens differ from transformers float32 by more than {NOISE_FACTOR:g}x "
+           f"transformers' own {n.dtype} error at that token, where {allowed} may (the tail)")
+    return Judged(pairing, ratio, count,
+                  f"{n.what}: {why} (first at {_where(row, pieces)}: {n.rel[row]:.3g} vs {n.noise[row]:.3g} at that "
+                  f"token, {limit.tail:.3g} at the worst {TAIL:.0%})", row)
 
 
 def _through_the_states(row: int, judged: Dict[str, Judged]) -> str:
-    """One token's error over the rule's limit at every state compared, in layer order: growing
-    through the layers reads as arithmetic parting; one state far off alone, as a capture fault."""
-    parts = [f"{what} {j.ratio[row]:.2f}" for what, j in judged.items() if row < j.ratio.size]
-    return "; that token, each state's error over the limit: " + ", ".join(parts) if len(parts) > 1 else ""
+    """One token's error over 4x transformers' own at that token, at every state compared, in
+    layer order: growing through the layers reads as arithmetic parting; one state far off
+    alone, as a capture fault."""
+    parts = [f"{what} {j.pairing[row]:.2f}" for what, j in judged.items() if row < j.pairing.size]
+    return "; that token, each state's error over transformers' own x4: " + ", ".join(parts) if len(parts) > 1 else ""
 
 
 def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tolerance) -> Dict[str, float]:
     """Each stored sample against the recomputed one; returns rid -> worst max |difference|.
     Per-state figures go to report.stats["reference_states"].
 
-    Two passes: every sample is recomputed first, as the bf16/fp16 rule's floor is the tail of
-    transformers' own error over all the tokens compared in a state, then each is judged."""
+    Two passes: every sample is recomputed first, as the bf16/fp16 tail's level is transformers'
+    own error over all the tokens compared in a state, then each is judged."""
     worst: Dict[str, float] = {}
     per_state: Dict[str, StateStats] = {}
     dtypes: List[str] = []
-    seen: List[Tuple[Stored, Dict[str, str], List[_Noisy]]] = []  # sample, fixed-rule problems, noisy states
+    # per sample, what judging it needs: where it is, its fixed-rule problems, its noisy states
+    seen: List[Tuple[Optional[str], str, Dict[int, int], List[str], List[_Noisy]]] = []
     for s in samples:
         report.looked("reference")
         prenorm = s.prenorm is not None
@@ -274,46 +298,41 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         if s.final is not None:
             pairs.append(("final (post-norm)", s.final, hs[-1], None if low_hs is None else low_hs[-1]))
         w = 0.0
-        fixed_problems: Dict[str, str] = {}
+        fixed_problems: List[str] = []
         noisy: List[_Noisy] = []
+        fixed = tol.fixed(s.dtype)
         for what, got, want, low in pairs:
             if want is None or got.shape != want.shape:
                 report.add("reference", f"{what}: stored {list(got.shape)}, reference "
                                         f"{None if want is None else list(want.shape)}", path=s.path, rid=s.rid)
                 w = float("inf")
                 continue
-            diff, m, noise = _measure(what, got, want, low, s.dtype, per_state.setdefault(what, StateStats()))
+            diff, m, noise = _measure(what, got, want, low, per_state.setdefault(what, StateStats()))
             w = max(w, m)
-            fixed = tol.fixed(s.dtype)
             if fixed is not None:
                 problem = _judge_fixed(what, diff, want, *fixed)
                 if problem:
-                    fixed_problems[what] = problem
-            elif diff.size and noise is not None:
+                    fixed_problems.append(problem)
+            elif diff.size:  # a noisy dtype always has its reference in that dtype (above)
                 noisy.append(_Noisy(what, s.dtype, _row_rel(diff, want), noise))
         worst[s.rid] = w
-        seen.append((s, fixed_problems, noisy))
+        seen.append((s.path, s.rid, s.pieces, fixed_problems, noisy))  # not the states: one sample's in memory
 
-    limits = _limits(n for _, _, noisy in seen for n in noisy)
-    for (what, dtype), lim in limits.items():
+    limits = _limits(n for *_, noisy in seen for n in noisy)
+    for (what, _), lim in limits.items():
         st = per_state[what]
-        st.median_rel, st.ref_median_rel, st.ref_tail_rel = lim.median_rel, lim.ref_median_rel, lim.floor
+        st.median_rel, st.ref_median_rel, st.ref_tail_rel = lim.median_rel, lim.ref_median_rel, lim.tail
         st.median_vs_ref = lim.median_vs_ref
-        if lim.median_vs_ref > NOISE_FACTOR:  # the bulk moved: a systematic fault, whatever the tail
-            report.add("reference", f"{what}: the median token differs from transformers float32 by "
-                                    f"{lim.median_vs_ref:.2g}x transformers' own {dtype} median error "
-                                    f"({lim.median_rel:.3g} vs {lim.ref_median_rel:.3g} relative, every "
-                                    f"sample compared): more than {NOISE_FACTOR:g}x")
-    for s, fixed_problems, noisy in seen:
-        for what, problem in fixed_problems.items():
-            report.add("reference", problem, path=s.path, rid=s.rid)
-        judged = {n.what: _judge_noisy(n, limits[(n.what, n.dtype)], s.pieces) for n in noisy}
+    for path, rid, pieces, fixed_problems, noisy in seen:
+        for problem in fixed_problems:
+            report.add("reference", problem, path=path, rid=rid)
+        judged = {n.what: _judge_noisy(n, limits[(n.what, n.dtype)], pieces) for n in noisy}
         for what, j in judged.items():
             st = per_state[what]
-            st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(j.ratio.max()))
+            st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(np.nan_to_num(j.ratio, nan=np.inf).max()))
+            st.tail_tokens = (st.tail_tokens or 0) + j.tail_tokens
             if j.problem:
-                trail = _through_the_states(j.row, judged) if j.row is not None else ""
-                report.add("reference", j.problem + trail, path=s.path, rid=s.rid)
+                report.add("reference", j.problem + _through_the_states(j.row, judged), path=path, rid=rid)
     if worst:
         report.stats["reference_max_abs_diff"] = max(worst.values())
         report.stats["reference_samples"] = len(worst)
