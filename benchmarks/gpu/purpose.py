@@ -612,8 +612,8 @@ def summarize(res: dict) -> dict:
         v = res.get(k) or {}
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
         if v.get("fidelity"):  # per state: the rule's margin, and how the server's rounding compares
-            s[k]["rule"] = {st: {x: f.get(x) for x in ("worst_vs_bound", "median_vs_ref", "ref_tail_rel", "max_rel",
-                                                      "ref_max_rel")} for st, f in v["fidelity"].items()}
+            s[k]["rule"] = {st: {x: f.get(x) for x in ("worst_vs_bound", "tail_tokens", "median_vs_ref", "ref_tail_rel",
+                                                      "max_rel", "ref_max_rel")} for st, f in v["fidelity"].items()}
     for k in ("outlier", "int4_outlier"):  # per state, how far the served-alone samples came to the rule
         o = res.get(k) or {}
         if "verify" in o:
