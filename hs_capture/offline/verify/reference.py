@@ -114,7 +114,8 @@ class Reference:
             self._low[dtype] = copy.deepcopy(self.model).to(getattr(self.torch, dtype)).eval()
         return self._low[dtype]
 
-    def states(self, input_ids: np.ndarray, prenorm: bool, dtype: str = "float32"):
+    def states(self, input_ids: np.ndarray, prenorm: bool,
+               dtype: str = "float32") -> Tuple[List[np.ndarray], Optional[np.ndarray]]:
         """transformers' hidden states (float32 numpy, whatever `dtype` the forward ran in)."""
         torch = self.torch
         model = self._model(dtype)
