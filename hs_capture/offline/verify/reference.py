@@ -199,7 +199,7 @@ def _judge_fixed(what: str, diff: np.ndarray, want: np.ndarray, atol: float, rto
             f"rtol={rtol:g} at {int(bad.sum())} values (first at position {row})")
 
 
-def _measure(what: str, got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray],
+def _measure(got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray],
              stats: StateStats) -> Tuple[np.ndarray, float, Optional[np.ndarray]]:
     """got - want, its max |.| (inf where a value is not finite), and transformers' own
     per-token error in the stored dtype (low given). Updates the state's stats."""
@@ -316,7 +316,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
                                         f"{None if want is None else list(want.shape)}", path=s.path, rid=s.rid)
                 w = float("inf")
                 continue
-            diff, m, noise = _measure(what, got, want, low, per_state.setdefault(what, StateStats()))
+            diff, m, noise = _measure(got, want, low, per_state.setdefault(what, StateStats()))
             w = max(w, m)
             if fixed is not None:
                 problem = _judge_fixed(what, diff, want, *fixed)
