@@ -43,16 +43,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from hs_capture.offline.assemble import Assembler  # noqa: E402
 from hs_capture.offline.planning import plan  # noqa: E402
-from hs_capture.offline.verify.reference import (_EPS, NOISE_FACTOR, Reference, _judge_noisy, _limits,  # noqa: E402
-                                                 _Noisy, _row_rel)
+from hs_capture.offline.verify.reference import Reference, _judge_noisy, _limits, _Noisy, _row_rel  # noqa: E402
 
 RIGHT = ("server", "transformers_eager")
 DRAWS = 200
-
-
-def pairing(rel: np.ndarray, noise: np.ndarray, dtype: str) -> np.ndarray:
-    """The rule before: each token over 4x its own noise, floored at the sample's median."""
-    return rel / (NOISE_FACTOR * np.maximum(noise, max(float(np.median(noise)), _EPS[dtype] / 2)))
 
 
 def judge(recs: List[dict], cand: str, state: str, dtype: str) -> dict:
@@ -61,7 +55,7 @@ def judge(recs: List[dict], cand: str, state: str, dtype: str) -> dict:
     noisy = [_Noisy(state, dtype, r[cand], r["noise"]) for r in have]
     lim = _limits(noisy)[(state, dtype)]
     judged = [_judge_noisy(n, lim, {}) for n in noisy]
-    pair = [pairing(r[cand], r["noise"], dtype) for r in have]
+    pair = [j.pairing for j in judged]  # the rule before: every token within its pairing
     if cand == "other_sample_token":  # the wrong token's own figure
         rule_w = [float(j.ratio[r["wrong_row"]]) for j, r in zip(judged, have)]
         pair_w = [float(p[r["wrong_row"]]) for p, r in zip(pair, have)]
