@@ -58,10 +58,14 @@ def _right(ref: Made, n: int, i: int, **moved_by) -> Stored:
                   {0: 3, n // 2: 4})
 
 
-def _findings(ref: Made, samples: List[Stored], tol: Tolerance = Tolerance()) -> List[str]:
+def _compared(ref: Made, samples: List[Stored], tol: Tolerance = Tolerance()) -> Report:
     rep = Report(["x"])
-    compare(rep, ref, samples, tol)
-    return [f"{f.rid} {f.message}" for f in rep.findings if f.check == "reference"]
+    rep.stats["worst"] = compare(rep, ref, samples, tol)
+    return rep
+
+
+def _findings(ref: Made, samples: List[Stored], tol: Tolerance = Tolerance()) -> List[str]:
+    return [f"{f.rid} {f.message}" for f in _compared(ref, samples, tol).findings if f.check == "reference"]
 
 
 def test_a_token_in_the_tail_passes_where_its_own_pairing_fails_but_not_far_beyond_the_tail():
@@ -99,8 +103,7 @@ def test_more_tokens_over_the_pairing_than_the_tail_allows_fail_even_within_the_
 def test_a_right_capture_passes_and_the_figures_pool_every_sample():
     ref = Made()
     samples = [_right(ref, n, i) for i, n in enumerate([300, 310, 320, 40])]
-    rep = Report(["x"])
-    compare(rep, ref, samples, Tolerance())
+    rep = _compared(ref, samples)
     assert rep.findings == []
     st = rep.stats["reference_states"]["layer 1"]
     noise = np.concatenate([ref.get(s.input_ids)[2][1] for s in samples])
@@ -138,8 +141,7 @@ def test_faults_on_part_of_the_tokens_fail_where_they_are(what, moved_by_median)
     else:
         rel = np.full(330, moved_by_median * np.median(noise[1]))
     samples[1] = _right(ref, 330, 1, layer1=rel)
-    rep = Report(["x"])
-    compare(rep, ref, samples, Tolerance())
+    rep = _compared(ref, samples)
     found = [f for f in rep.findings if f.check == "reference"]
     assert found and all((f.rid, f.path) == ("s1", "file1") and f.message.startswith("layer 1:") for f in found), \
         (what, [f.line() for f in found])
@@ -158,8 +160,7 @@ def test_tokens_in_the_tail_are_counted_over_every_sample():
             k = int(np.argmin(noise))
             rel[k] = 1.2 * NOISE_FACTOR * max(noise[k], np.median(noise))
         samples.append(_right(ref, n, i, layer1=rel))
-    rep = Report(["x"])
-    compare(rep, ref, samples, Tolerance())
+    rep = _compared(ref, samples)
     assert rep.findings == [] and rep.stats["reference_states"]["layer 1"]["tail_tokens"] == 2
 
 
@@ -167,8 +168,7 @@ def test_a_state_transformers_cannot_compute_in_bf16_is_said_and_the_rest_judged
     ref = Made()
     s = _right(ref, 300, 0)
     ref.get(s.input_ids)[1][1][5] = np.nan  # transformers' own bf16 state of token 5
-    rep = Report(["x"])
-    compare(rep, ref, [s], Tolerance())
+    rep = _compared(ref, [s])
     assert [(f.severity, f.rid) for f in rep.findings] == [("warning", "s0")] and rep.ok
     assert "not finite at 1 of 300 tokens" in rep.findings[0].message
     s.layers[1][7] += 1.0  # a wrong token beside it still fails
@@ -179,9 +179,8 @@ def test_a_state_of_another_shape_fails_and_counts_as_infinitely_off():
     ref = Made()
     s = _right(ref, 300, 0)
     s.layers[1] = s.layers[1][:, :32]
-    rep = Report(["x"])
-    worst = compare(rep, ref, [s], Tolerance())
-    assert worst == {"s0": float("inf")} and [f.message for f in rep.findings] == \
+    rep = _compared(ref, [s])
+    assert rep.stats["worst"] == {"s0": float("inf")} and [f.message for f in rep.findings] == \
         ["layer 1: stored [300, 32], reference [300, 64]"]
 
 
