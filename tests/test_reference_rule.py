@@ -112,6 +112,21 @@ def test_a_right_capture_passes_and_the_figures_pool_every_sample():
     assert 0.7 < st["median_vs_ref"] < 0.9 and st["worst_vs_bound"] < 1 and st["tail_tokens"] == 0
 
 
+def test_a_dump_of_two_dtypes_gives_each_its_own_figures():
+    ref = Made()
+    samples = [_right(ref, n, i) for i, n in enumerate([300, 310, 320])]
+    samples[2].dtype = "float16"  # a server restarted with another --dtype, into the same dump
+    rep = _compared(ref, samples)
+    assert rep.findings == [] and rep.stats["reference_dtypes"] == ["bfloat16", "float16"]
+    states = rep.stats["reference_states"]
+    assert "layer 1" not in states
+    for dtype, ss in (("bfloat16", samples[:2]), ("float16", samples[2:])):
+        noise = np.concatenate([ref.get(s.input_ids)[2][1] for s in ss])
+        st = states[f"layer 1 ({dtype})"]
+        assert st["ref_tail_rel"] == pytest.approx(np.quantile(noise, 1 - TAIL), rel=1e-5), dtype
+        assert st["ref_max_rel"] == pytest.approx(noise.max(), rel=1e-4), dtype
+
+
 def test_the_tails_level_is_pooled_over_every_sample_compared():
     narrow = np.full(300, 0.01)  # a sample transformers rounds evenly...
     heavy = _heavy_tailed(1200, 3)  # ...beside others with a long tail

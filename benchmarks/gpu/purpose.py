@@ -271,7 +271,10 @@ class Run:
         cmd = [sys.executable, os.path.join(REPO, "benchmarks", "reference_rule.py"), "--dump",
                os.path.join(self.work, f"dump-{kind}"), "--model", os.path.join(model or self.model, "text_model"),
                "--samples", "64", "--device", self.a.reference_device, "--out", out]
-        p = subprocess.run(cmd, cwd=REPO, env=self.tool_env, capture_output=True, text=True)
+        try:  # 132 samples took 88 s on a 2-core CPU: a hang must not hold the steps after it
+            p = subprocess.run(cmd, cwd=REPO, env=self.tool_env, capture_output=True, text=True, timeout=1800)
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"reference_rule.py still running after {e.timeout:.0f} s: stopped") from None
         if p.returncode != 0:
             raise RuntimeError(f"reference_rule.py exited {p.returncode}: {p.stderr[-2000:]}")
         with open(out) as f:

@@ -284,7 +284,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
     Two passes: every sample is recomputed first, as the bf16/fp16 tail's level is transformers'
     own error over all the tokens compared in a state, then each is judged."""
     worst: Dict[str, float] = {}
-    per_state: Dict[str, StateStats] = {}
+    per_state: Dict[Tuple[str, str], StateStats] = {}  # (state, stored dtype): judged apart
     dtypes: List[str] = []
     # per sample, what judging it needs: where it is, its fixed-rule problems, its noisy states
     seen: List[Tuple[Optional[str], str, Dict[int, int], List[str], List[_Noisy]]] = []
@@ -316,7 +316,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
                                         f"{None if want is None else list(want.shape)}", path=s.path, rid=s.rid)
                 w = float("inf")
                 continue
-            diff, m, noise = _measure(got, want, low, per_state.setdefault(what, StateStats()))
+            diff, m, noise = _measure(got, want, low, per_state.setdefault((what, s.dtype), StateStats()))
             w = max(w, m)
             if fixed is not None:
                 problem = _judge_fixed(what, diff, want, *fixed)
@@ -328,8 +328,8 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         seen.append((s.path, s.rid, s.pieces, fixed_problems, noisy))  # not the states: one sample's in memory
 
     limits = _limits(n for *_, noisy in seen for n in noisy)
-    for (what, _), lim in limits.items():
-        st = per_state[what]
+    for key, lim in limits.items():
+        st = per_state[key]
         st.median_rel, st.ref_median_rel, st.ref_tail_rel = lim.median_rel, lim.ref_median_rel, lim.tail
         st.median_vs_ref = lim.median_vs_ref
     for path, rid, pieces, fixed_problems, noisy in seen:
@@ -341,8 +341,8 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
             if lost:  # the reference's own failure, not the capture's: said, not held against it
                 report.add("reference", f"{n.what}: transformers' own {n.dtype} forward is not finite at {lost} of "
                                         f"{n.noise.size} tokens: those are not judged", WARNING, path=path, rid=rid)
-        for what, j in judged.items():
-            st = per_state[what]
+        for n in noisy:
+            j, st = judged[n.what], per_state[(n.what, n.dtype)]
             st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(np.nan_to_num(j.ratio, nan=np.inf).max()))
             st.tail_tokens = (st.tail_tokens or 0) + j.tail_tokens
             if j.problem:
@@ -351,5 +351,7 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         report.stats["reference_max_abs_diff"] = max(worst.values())
         report.stats["reference_samples"] = len(worst)
         report.stats["reference_dtypes"] = dtypes
-        report.stats["reference_states"] = {k: asdict(v) for k, v in per_state.items()}
+        # a state's name alone, unless the dump holds samples of more than one dtype
+        report.stats["reference_states"] = {(what if len(dtypes) == 1 else f"{what} ({dtype})"): asdict(v)
+                                            for (what, dtype), v in per_state.items()}
     return worst
