@@ -337,6 +337,8 @@ def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
     assert meta["disk_bound"]["forward_waited_s"] >= 2.0 and meta["stats"]["forward_waited_s"] >= 2.0
     # and the report says which limit held them
     assert meta["disk_bound"]["held_by_pinned_s"] >= 2.0 and meta["disk_bound"]["held_by_budget_s"] < 1.0
+    # and so do the closing counters, over the whole run
+    assert meta["stats"]["held_by_pinned_s"] >= 2.0 and meta["stats"]["held_by_budget_s"] < 1.0
 
 
 def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path, monkeypatch):

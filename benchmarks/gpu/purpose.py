@@ -7,8 +7,9 @@ One run, every step resumable (a step whose result is in the results file is ski
   capture    the real SGLang serving it: `off` = the plain server (the flags `hscap serve`
              adds, no hook), `on` = `hscap serve --layers 2,3,5 --prenorm` (SGLang's defaults:
              overlap scheduler, decode CUDA graphs), same load: the training and held-out texts
-             (prefill tokens/s) and greedy generations one at a time (decode tokens/s);
-             `wrong` = the hook on layers 1,2,4 (one below each: the wrong-layers control's data)
+             (prefill tokens/s) and greedy generations one at a time (decode tokens/s), and
+             each hooked server's writer counters (`writer`: how long, and by which limit, the
+             writer held its forwards); `wrong` = the hook on layers 1,2,4 (one below each: the wrong-layers control's data)
   verify     `hscap verify --dataset --reference` of the `on` dump (transformers on the GPU)
   data       merge (SpecForge format): train, held-out, wrong layers; from the train files, the
              shifted control (every state one token late: the off-by-one a capture bug gives)
@@ -69,6 +70,29 @@ def _on_sigterm(signum, frame) -> None:
     for p in LIVE:
         p.kill()
     sys.exit(143)
+
+
+WRITER_KEYS = ("steps_written", "steps_written_raw", "raw_bytes", "file_bytes", "forward_waited_s", "held_by_budget_s",
+               "held_by_pinned_s", "pinned_buffers", "pinned_bytes", "peak_inflight_bytes", "writer_threads")
+
+
+def writer_figures(dump: str) -> Dict[str, object]:
+    """Each rank's closing counters of the newest run in `dump`, and its disk-bound report if it
+    made one: whether this server's forwards were held, and by which limit (the bytes in flight,
+    every pinned buffer in flight, the disk)."""
+    from hs_capture.dump.paths import rank_meta_path, rank_tags, run_dirs
+
+    try:
+        run = run_dirs(dump)[-1]
+        out: Dict[str, object] = {}
+        for tag in rank_tags(run):
+            with open(rank_meta_path(run, tag)) as f:
+                meta = json.load(f)
+            stats = meta.get("stats") or {}
+            out[tag] = {**{k: stats.get(k) for k in WRITER_KEYS}, "disk_bound": meta.get("disk_bound")}
+        return out
+    except (OSError, ValueError, IndexError) as e:  # a figure missing never fails the step
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 class Run:
@@ -176,6 +200,8 @@ class Run:
             res["hs_dump_lines"] = [x[x.index("[HS_DUMP]"):][:400] for x in log.splitlines()
                                     if "[HS_DUMP]" in x and "hooks installed" not in x][:12]
             res["accept_lines"] = [x[-220:] for x in log.splitlines() if "accept len" in x.lower()][-3:]
+            if dump is not None:
+                res["writer"] = writer_figures(dump)
             if self.a.out_dir:
                 shutil.copy(log_path, os.path.join(self.a.out_dir, f"server-{kind}.log"))
         return res
@@ -611,6 +637,11 @@ def summarize(res: dict) -> dict:
         if gen(pre + "off").get("decode_tokens_per_s") and gen(pre + "on").get("decode_tokens_per_s"):
             s[pre + "decode_on_over_off"] = round(gen(pre + "on")["decode_tokens_per_s"] /
                                                   gen(pre + "off")["decode_tokens_per_s"], 3)
+        w = (res.get(pre + "on") or {}).get("writer") or {}
+        if w:  # whether the writer held the hooked server's forwards, and by which limit
+            s[pre + "on_writer"] = {tag: {k: v.get(k) for k in ("forward_waited_s", "held_by_budget_s", "held_by_pinned_s",
+                                                               "steps_written_raw", "steps_written", "disk_bound")}
+                                    for tag, v in w.items() if isinstance(v, dict)}
     for k in ("verify", "int4_verify"):
         v = res.get(k) or {}
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}

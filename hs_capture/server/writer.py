@@ -266,6 +266,10 @@ class ShardWriter:
             self.run_meta.stats = {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                    "pinned_allocs_in_forward": pool.hot_allocs,
                                    "forward_waited_s": round(self._forward_waited_s(), 3),
+                                   # which limit held them, over the whole run (the warning says it once)
+                                   "held_by_budget_s": round(self._backlog.budget.waited_s, 3),
+                                   "held_by_pinned_s": round(pool.waited_s, 3),
+                                   "pinned_buffers": pool.buffers,
                                    "peak_inflight_bytes": self._backlog.budget.peak,
                                    "inflight_budget_bytes": self._backlog.budget.limit,
                                    "writer_threads": self.cfg.writer_threads}
