@@ -8,16 +8,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
-# a fresh venv takes ~7 GB (torch's CUDA build is most of it) and pip unpacks in TMPDIR: a
-# full disk says so here, in one line, instead of as an OSError halfway through an install
+# a fresh venv takes 6.8 GB (torch's CUDA build is most of it) and pip stages wheels in TMPDIR:
+# a disk too full says so here, in one line, not as an OSError halfway through torch
+needs_gb() {  # GB DIR
+  local free; free=$(df -Pk "$2" | awk 'NR==2 {print int($4 / 1048576)}')
+  [ "$free" -ge "$1" ] || { echo "bin/setup_env.sh: $free GB free on $2; building the venv needs $1 GB there" >&2; exit 1; }
+}
 if ! "$VENV/bin/python" -c 'import importlib.util as u; exit(not (u.find_spec("torch") and u.find_spec("sglang")))' 2>/dev/null; then
-  for d in "$(dirname "$VENV")" "${TMPDIR:-/tmp}"; do
-    free=$(df -Pk "$d" | awk 'NR==2 {print int($4 / 1048576)}')
-    if [ "$free" -lt 8 ]; then
-      echo "bin/setup_env.sh: only $free GB free on $d; building the venv needs ~8 GB there" >&2
-      exit 1
-    fi
-  done
+  needs_gb 7 "$(dirname "$VENV")"
+  needs_gb 2 "${TMPDIR:-/tmp}"
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 LOG="$VENV/pip-resolver-notes.log"

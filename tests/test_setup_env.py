@@ -1,0 +1,35 @@
+"""bin/setup_env.sh, the set-up the README and .ci/run share: on a disk too full for a venv it
+stops in one line before pip starts, not with an OSError halfway through torch."""
+
+import os
+import subprocess
+
+import pytest
+
+from tests.sglang_cpu.harness import REPO
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 1 MB tmpfs, mounted and unmounted by the test (needs root, as CI has)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("where", ["venv", "TMPDIR"])
+def test_a_disk_too_full_for_the_venv_stops_in_one_line_and_builds_nothing(tiny_fs, tmp_path, where):
+    venv = os.path.join(tiny_fs if where == "venv" else str(tmp_path), "v")
+    env = {**os.environ, "VENV": venv, "TMPDIR": tiny_fs if where == "TMPDIR" else str(tmp_path)}
+    r = subprocess.run(["bash", os.path.join(REPO, "bin", "setup_env.sh")], env=env, capture_output=True, text=True,
+                       timeout=60)
+    need = "7 GB" if where == "venv" else "2 GB"
+    assert r.returncode == 1 and r.stderr.splitlines() == [f"bin/setup_env.sh: 0 GB free on {tiny_fs}; building the "
+                                                           f"venv needs {need} there"], r.stderr
+    assert not os.path.exists(venv)
