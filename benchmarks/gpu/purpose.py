@@ -169,7 +169,8 @@ class Run:
         spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
         if dump is None:
             cmd = plain_command(os.path.join(self.work, "unused"), self.flags(port, model), self.server_env) + spec_flags
-        else:
+        else:  # a step run again captures afresh: never two runs of one step in its dump
+            shutil.rmtree(dump, ignore_errors=True)
             cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--",
                    *self.flags(port, model), *spec_flags]
         env = {**self.server_env}
@@ -283,7 +284,6 @@ class Run:
         with open(self.sent(os.path.join(self.data, "sent.jsonl"))) as f, open(texts, "w") as g:
             g.writelines(line for line in f if json.loads(line)["id"] in rids)
         dump = os.path.join(self.work, f"dump-{kind}")
-        shutil.rmtree(dump, ignore_errors=True)  # a rerun captures them afresh, never twice in one dump
         res = {"rids": sorted(rids), "layers": EVERY,
                "serve": self.serve(kind, dump, EVERY, model=model, texts=texts, prenorm=True)}
         res["verify"] = self.verify(kind, model, dataset=texts, samples=len(rids))
