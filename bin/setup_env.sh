@@ -10,9 +10,11 @@ VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 # a fresh venv takes 6.8 GB (torch's CUDA build is most of it) and pip stages wheels in TMPDIR:
 # a disk too full says so here, in one line, not as an OSError halfway through torch
-needs_gb() {  # GB DIR
-  local free; free=$(df -Pk "$2" | awk 'NR==2 {print int($4 / 1048576)}')
-  [ "$free" -ge "$1" ] || { echo "bin/setup_env.sh: $free GB free on $2; building the venv needs $1 GB there" >&2; exit 1; }
+needs_gb() {  # GB DIR (or the nearest folder above it that exists: venv makes the rest)
+  local d=$2 free
+  while [ ! -d "$d" ]; do d=$(dirname "$d"); done
+  free=$(df -Pk "$d" | awk 'NR==2 {print int($4 / 1048576)}')
+  [ "$free" -ge "$1" ] || { echo "bin/setup_env.sh: $free GB free on $d; building the venv needs $1 GB there" >&2; exit 1; }
 }
 if ! "$VENV/bin/python" -c 'import importlib.util as u; exit(not (u.find_spec("torch") and u.find_spec("sglang")))' 2>/dev/null; then
   needs_gb 7 "$(dirname "$VENV")"

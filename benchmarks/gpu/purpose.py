@@ -641,7 +641,7 @@ def summarize(res: dict) -> dict:
         if w:  # whether the writer held the hooked server's forwards, and by which limit
             s[pre + "on_writer"] = {tag: {k: v.get(k) for k in ("forward_waited_s", "held_by_budget_s", "held_by_pinned_s",
                                                                "steps_written_raw", "steps_written", "disk_bound")}
-                                    for tag, v in w.items() if isinstance(v, dict)}
+                                    if isinstance(v, dict) else v for tag, v in w.items()}  # or the error
     for k in ("verify", "int4_verify"):
         v = res.get(k) or {}
         s[k] = {x: v.get(x) for x in ("ok", "samples_complete", "samples_incomplete", "findings", "error") if x in v}
