@@ -1,5 +1,6 @@
 import os
 import random
+import subprocess
 import threading
 import time
 
@@ -14,6 +15,27 @@ NUM_LAYERS = 6
 def tiny_model(tmp_path_factory):
     """A 6-layer random DeepSeek-V3 in float32, made with transformers at test time."""
     return make_tiny_deepseek(str(tmp_path_factory.mktemp("tiny-dsv3")), layers=NUM_LAYERS)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size) -> a tmpfs of that size ("3m"), unmounted after the test; the test skips where
+    none can be mounted (it needs root, as CI has)."""
+    mounted = []
+
+    def mount(size: str) -> str:
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(str(mnt))
+        return str(mnt)
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", mnt], check=False)
 
 
 @pytest.fixture

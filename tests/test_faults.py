@@ -114,17 +114,9 @@ def test_kill_9_mid_capture_loses_nothing_committed_and_a_resend_completes_it(ti
 
 # ------------------------------------------------------------------ full disk, free-space floor
 @pytest.fixture
-def small_fs(tmp_path):
-    """A 3 MB tmpfs, mounted and unmounted by the test (needs root, as CI has)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def small_fs(tmpfs):
+    """A 3 MB tmpfs, mounted and unmounted by the test."""
+    return tmpfs("3m")
 
 
 @pytest.mark.parametrize("floor,reason", [("0", "disk full"), ("0.0015", "below HSCAP_MIN_FREE_GB")])

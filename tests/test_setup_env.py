@@ -11,17 +11,9 @@ from tests.sglang_cpu.harness import REPO
 
 
 @pytest.fixture
-def tiny_fs(tmp_path):
-    """A 1 MB tmpfs, mounted and unmounted by the test (needs root, as CI has)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+def tiny_fs(tmpfs):
+    """A 1 MB tmpfs, mounted and unmounted by the test."""
+    return tmpfs("1m")
 
 
 @pytest.mark.parametrize("where", ["venv", "TMPDIR"])
