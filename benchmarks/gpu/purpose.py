@@ -9,7 +9,8 @@ One run, every step resumable (a step whose result is in the results file is ski
              overlap scheduler, decode CUDA graphs), same load: the training and held-out texts
              (prefill tokens/s) and greedy generations one at a time (decode tokens/s), and
              each hooked server's writer counters (`writer`: how long, and by which limit, the
-             writer held its forwards); `wrong` = the hook on layers 1,2,4 (one below each: the wrong-layers control's data)
+             writer held its forwards); `wrong` = the hook on layers 1,2,4 (one below each: the
+             wrong-layers control's data)
   verify     `hscap verify --dataset --reference` of the `on` dump (transformers on the GPU)
   data       merge (SpecForge format): train, held-out, wrong layers; from the train files, the
              shifted control (every state one token late: the off-by-one a capture bug gives)

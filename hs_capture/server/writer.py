@@ -139,6 +139,14 @@ class ShardWriter:
         # buffers come back only once their step is on disk): both are the writer's pace
         return self._backlog.budget.waited_s + self._stager.pool.waited_s
 
+    def _held_by(self) -> Dict[str, float]:
+        """Which limit held the forwards: the bytes in flight, or every pinned buffer (one per
+        step, whatever its size) being in flight; the second with few bytes waiting means many
+        small steps."""
+        pool = self._stager.pool
+        return {"held_by_budget_s": round(self._backlog.budget.waited_s, 3),
+                "held_by_pinned_s": round(pool.waited_s, 3), "pinned_buffers": pool.buffers}
+
     def _say_disk_bound(self) -> None:
         """Once, loudly: the writer held forwards although it writes raw when behind."""
         self._disk_bound_said = True
@@ -146,12 +154,7 @@ class ShardWriter:
             raw, disk, n_raw, n = (self.stats["raw_bytes"], self.stats["file_bytes"], self.stats["steps_written_raw"],
                                    self.stats["steps_written"])
             rates = self._backlog.rates(raw, disk, self._forward_waited_s())
-            # which limit held them: the bytes in flight, or every pinned buffer (one per step,
-            # whatever its size) being in flight; the second with few bytes waiting means many small steps
-            pool = self._stager.pool
-            rates.update(held_by_budget_s=round(self._backlog.budget.waited_s, 3),
-                         held_by_pinned_s=round(pool.waited_s, 3), pinned_in_flight=pool.in_flight(),
-                         pinned_buffers=pool.buffers)
+            rates.update(self._held_by(), pinned_in_flight=self._stager.pool.in_flight())
             self.run_meta.disk_bound = rates
         why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
                else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
@@ -266,10 +269,7 @@ class ShardWriter:
             self.run_meta.stats = {**self.stats, "pinned_bytes": pool.pinned_bytes,
                                    "pinned_allocs_in_forward": pool.hot_allocs,
                                    "forward_waited_s": round(self._forward_waited_s(), 3),
-                                   # which limit held them, over the whole run (the warning says it once)
-                                   "held_by_budget_s": round(self._backlog.budget.waited_s, 3),
-                                   "held_by_pinned_s": round(pool.waited_s, 3),
-                                   "pinned_buffers": pool.buffers,
+                                   **self._held_by(),  # over the whole run (the warning says it once)
                                    "peak_inflight_bytes": self._backlog.budget.peak,
                                    "inflight_budget_bytes": self._backlog.budget.limit,
                                    "writer_threads": self.cfg.writer_threads}
