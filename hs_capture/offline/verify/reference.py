@@ -341,7 +341,6 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
             if lost:  # the reference's own failure, not the capture's: said, not held against it
                 report.add("reference", f"{n.what}: transformers' own {n.dtype} forward is not finite at {lost} of "
                                         f"{n.noise.size} tokens: those are not judged", WARNING, path=path, rid=rid)
-        for n in noisy:
             j, st = judged[n.what], per_state[(n.what, n.dtype)]
             st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(np.nan_to_num(j.ratio, nan=np.inf).max()))
             st.tail_tokens = (st.tail_tokens or 0) + j.tail_tokens
