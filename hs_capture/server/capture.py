@@ -220,9 +220,10 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
         writers = config_mod.writers_on_host(par.dp_size, bool(flags.get("enable_dp_attention")), flags.get("nnodes") or 1)
         cfg = replace(cfg, writer_threads=config_mod.writer_threads(cfg, writers))
         meta = _run_meta(cfg, hf_config, layers, flags, par, modes, target)
-        rows = flags.get("chunked_prefill_size") or flags.get("max_prefill_tokens") or 0
-        writer = ShardWriter(cfg, par.rank, meta, expected_rows=max(0, int(rows)),
-                             step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config))
+        rows = full_step_rows(flags)
+        writer = ShardWriter(cfg, par.rank, meta, expected_rows=rows,
+                             step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config,
+                                                    cfg.prenorm))
         writer.start()
         _writers.add(writer)
         writer.prewarm()
@@ -252,13 +253,25 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     return state
 
 
-def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any) -> List[int]:
-    """Host bytes of one full step: packed aux, final, input_ids, positions."""
+def full_step_rows(flags: Dict[str, Any]) -> int:
+    """The most tokens one forward holds: the chunked-prefill size, or with chunking off (-1)
+    the prefill budget (a single longer request is still admitted alone: pinned when it comes)."""
+    for key in ("chunked_prefill_size", "max_prefill_tokens"):
+        rows = int(flags.get(key) or 0)
+        if rows > 0:
+            return rows
+    return 0
+
+
+def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any, prenorm: bool = False) -> List[int]:
+    """Host bytes of one full step: packed aux, final, the pre-norm state when captured,
+    input_ids, positions. Every tensor the step holds: the pinned buffers are cut to this."""
     if rows <= 0:
         return []
     dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     itemsize = 4 if str(dtype).endswith("float32") else 2
-    return [rows * hidden * k * itemsize, rows * hidden * itemsize, rows * 8, rows * 8]
+    states = [rows * hidden * k * itemsize, rows * hidden * itemsize] + ([rows * hidden * itemsize] if prenorm else [])
+    return states + [rows * 8, rows * 8]
 
 
 def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict[str, Any], par: Any,
