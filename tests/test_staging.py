@@ -141,36 +141,6 @@ def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forwar
     assert big is not None and big.numel() == 3 * g
 
 
-def test_at_its_cap_the_pool_replaces_free_buffers_too_small_for_a_step_instead_of_waiting():
-    """The H200 case: buffers pinned ahead for a step smaller than the real ones (the pre-norm
-    state left out) filled the cap; each full step then waited for the one big buffer in flight."""
-    from hs_capture.server.staging import PinnedPool
-
-    g = PinnedPool.GRANULE
-    pool = PinnedPool(pin=False, cap=4 * g)
-    pool.prewarm([g] * 4)
-    big = pool.take(2 * g)  # two free small buffers make room: no step pinned past the cap
-    assert pool.pinned_bytes == 4 * g and pool.replaced == 2 and pool.buffers == 3
-    second = pool.take(2 * g, block=False)  # the big one is in flight: the other small ones make room
-    assert second is not None and second.numel() == 2 * g
-    assert pool.replaced == 4 and pool.pinned_bytes == 4 * g and pool.buffers == 2 and pool.waited_s == 0
-    pool.give(big)
-    pool.give(second)
-    assert pool.take(2 * g, block=False) is not None and pool.take(2 * g, block=False) is not None
-    assert pool.take(g, block=False) is None  # nothing free left to give up: at the cap it waits
-
-
-def test_the_pool_waits_when_giving_up_every_free_buffer_would_not_make_room():
-    from hs_capture.server.staging import PinnedPool
-
-    g = PinnedPool.GRANULE
-    pool = PinnedPool(pin=False, cap=4 * g)
-    pool.prewarm([3 * g, g])
-    held = pool.take(3 * g)  # 4 g pinned, the 1 g buffer free
-    assert held is not None and pool.take(2 * g, block=False) is None  # 4 + 2 - 1 > 4: wait
-    assert pool.replaced == 0 and pool.buffers == 2
-
-
 @pytest.mark.parametrize("packed", [False, True], ids=["aux list (0.5.15)", "packed aux (0.5.23)"])
 @pytest.mark.parametrize("prenorm", [False, True], ids=["final", "final and pre-norm"])
 def test_the_buffers_pinned_ahead_hold_a_full_step_of_every_captured_state(packed, prenorm):

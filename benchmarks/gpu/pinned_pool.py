@@ -7,10 +7,9 @@ without the pre-norm state, so every full step was larger than every buffer but 
 for that one (`held_by_pinned_s`, "1 of 63 in flight"). This replays that server's steps at the
 DEFAULT writer settings, a tmpfs dump (the disk out of the picture) and a fixed "forward" of
 matmuls, in one run:
-  sized_right        buffers pinned ahead for the whole step (the hook now counts every state)
-  sized_short        pinned ahead without the pre-norm state: the pool gives up free buffers
-                     too small for the step (pinned_replaced) instead of waiting
-  sized_short_before the same with the pool's rule before that (wait for a big enough buffer)
+  sized_right   buffers pinned ahead for the whole step (what the hook does now)
+  sized_short   pinned ahead without the pre-norm state (the hook before): every full step
+                waits for the one buffer big enough
 Each against the forward alone (off): mean step time on / off, forwards held and by what.
 
 usage: python benchmarks/gpu/pinned_pool.py [--tokens 8192] [--hidden 1024] [--seconds 20]
@@ -43,13 +42,6 @@ from hs_capture.dump.paths import PRENORM, RankId  # noqa: E402
 from hs_capture.dump.schema import RankMeta, SeqEntry, step_line  # noqa: E402
 
 LAYERS = [2, 3, 5]  # purpose.py's
-
-
-class PoolBefore(staging.PinnedPool):
-    """The rule before: at the cap, wait for a free buffer big enough; never give one up."""
-
-    def _make_room(self, size: int) -> bool:
-        return self.pinned_bytes + size <= self._cap
 
 
 class HostCopier:
@@ -123,18 +115,14 @@ def mean(xs: List[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def run_case(name: str, forward, a, device: str, prenorm_counted: bool, pool_cls) -> dict:
+def run_case(name: str, forward, a, device: str, prenorm_counted: bool) -> dict:
     root = os.path.join(a.dir, f"hscap-pinned-pool-{os.getpid()}-{name}")
     cfg = config.load({"HSCAP_DIR": root, "HSCAP_RUN_ID": "run-pool", "HSCAP_LAYERS": ",".join(map(str, LAYERS)),
                        "HSCAP_PRENORM": "1"})  # every performance setting at its default
     os.makedirs(cfg.run_dir, exist_ok=True)
     sizes = _step_bytes(a.tokens, a.hidden, len(LAYERS), SimpleNamespace(torch_dtype="bfloat16"), prenorm_counted)
-    saved, staging.PinnedPool = staging.PinnedPool, pool_cls
-    try:
-        w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=a.hidden, prenorm=True),
-                        expected_rows=a.tokens, step_sizes=sizes, copier=HostCopier() if device == "cpu" else None)
-    finally:
-        staging.PinnedPool = saved
+    w = ShardWriter(cfg, RankId(), RankMeta(layers=LAYERS, hidden_size=a.hidden, prenorm=True),
+                    expected_rows=a.tokens, step_sizes=sizes, copier=HostCopier() if device == "cpu" else None)
     w.start()
     step = w.pinned_pool.rounded(staging.step_buffer_bytes(sizes))
     if device == "cuda":
@@ -154,14 +142,14 @@ def run_case(name: str, forward, a, device: str, prenorm_counted: bool, pool_cls
     janitor.join()
     st = w.run_meta.stats
     shutil.rmtree(root, ignore_errors=True)
-    return {"case": name, "prenorm_counted_in_buffers": prenorm_counted, "pool": pool_cls.__name__,
+    return {"case": name, "prenorm_counted_in_buffers": prenorm_counted,
             "buffers_pinned_ahead": pinned_ahead, "buffer_bytes": step,
             "step_bytes": sum(t.numel() * t.element_size() for t in forward().values()),
             "writer_threads": w.cfg.writer_threads, "inflight_GiB": round(w.cfg.max_inflight_bytes / 2 ** 30, 2),
             "steps_on": len(on), "step_ms_off_mean": round(mean(off) * 1e3, 2),
             "step_ms_on_mean": round(mean(on) * 1e3, 2), "ratio_on_off": round(mean(on) / mean(off), 3),
             **{k: st.get(k) for k in ("forward_waited_s", "held_by_budget_s", "held_by_pinned_s", "pinned_buffers",
-                                      "pinned_bytes", "pinned_replaced", "pinned_allocs_in_forward", "steps_written",
+                                      "pinned_bytes", "pinned_allocs_in_forward", "steps_written",
                                       "steps_dropped", "steps_written_raw")}}
 
 
@@ -184,9 +172,8 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "step": f"aux [{a.tokens}, 3x{a.hidden}] + final + pre-norm bf16 + ids/positions",
            "matmuls_per_forward": matmuls, "dump": a.dir, "runs": []}
-    for name, counted, cls in (("sized_right", True, staging.PinnedPool), ("sized_short", False, staging.PinnedPool),
-                               ("sized_short_before", False, PoolBefore)):
-        r = run_case(name, forward, a, device, counted, cls)
+    for name, counted in (("sized_right", True), ("sized_short", False)):
+        r = run_case(name, forward, a, device, counted)
         res["runs"].append(r)
         print(r, flush=True)
     write_results(res, a.out)

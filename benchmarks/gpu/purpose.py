@@ -74,7 +74,7 @@ def _on_sigterm(signum, frame) -> None:
 
 
 WRITER_KEYS = ("steps_written", "steps_written_raw", "raw_bytes", "file_bytes", "forward_waited_s", "held_by_budget_s",
-               "held_by_pinned_s", "pinned_buffers", "pinned_bytes", "pinned_allocs_in_forward", "pinned_replaced",
+               "held_by_pinned_s", "pinned_buffers", "pinned_bytes", "pinned_allocs_in_forward",
                "peak_inflight_bytes", "writer_threads")
 
 

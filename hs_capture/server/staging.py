@@ -44,10 +44,11 @@ class PinnedPool:
     H200: 0.44 s for one 8192-token DeepSeek step), so it must never happen in a forward:
     `prewarm` pins full-size steps on a background thread, buffers are recycled best-fit, and
     once `cap` bytes are pinned a step waits for a buffer the writer gives back (back-pressure)
-    instead of pinning more. A step that no free buffer holds, at the cap, replaces free buffers
-    too small for it (smallest first): waiting would serialize every such step on the few
-    buffers big enough, in flight (prefill on/off 0.30 on the H200 when the buffers were sized
-    without the pre-norm state). Only a step larger than every buffer made is pinned past the cap."""
+    instead of pinning more. Only a step larger than every buffer made is pinned anew: buffers
+    cut short of the real step therefore serialize every full step on the few big enough (prefill
+    at 0.30 of the plain server on the H200 when the pre-norm state was left out of the cut).
+    Free buffers are not given up for larger ones: torch caches a freed pinned block by its
+    power-of-two size and never hands it to a larger request, so the memory would stay pinned."""
 
     GRANULE = 2 << 20
 
@@ -60,7 +61,6 @@ class PinnedPool:
         self.pinned_bytes = 0
         self.buffers = 0  # made so far; those not in `_free` are in flight
         self.hot_allocs = 0  # allocations a forward had to wait for
-        self.replaced = 0  # free buffers given up for a larger step
         self.waited_s = 0.0  # time forwards waited for a buffer to come back
 
     def rounded(self, nbytes: int) -> int:
@@ -88,7 +88,7 @@ class PinnedPool:
                 for i, buf in enumerate(self._free):
                     if buf.numel() >= nbytes:
                         return self._free.pop(i)
-                if (not self._cap or self._make_room(self.rounded(nbytes))
+                if (not self._cap or self.pinned_bytes + self.rounded(nbytes) <= self._cap
                         or self.rounded(nbytes) > self._largest):
                     self.hot_allocs += 1
                     break
@@ -98,22 +98,6 @@ class PinnedPool:
                 self._cond.wait()
                 self.waited_s += time.monotonic() - t0
         return self._alloc(nbytes)
-
-    def _make_room(self, size: int) -> bool:
-        """Whether `size` more bytes fit under the cap once free buffers (all smaller than the
-        step, or it would have taken one) are given up; if so they are. Caller holds the lock.
-        torch keeps a freed pinned block cached and hands it to the next allocation it fits,
-        so a replacement of like size is not pinned again."""
-        over = self.pinned_bytes + size - self._cap
-        if over > sum(b.numel() for b in self._free):
-            return False
-        while over > 0:
-            buf = self._free.pop(0)
-            self.pinned_bytes -= buf.numel()
-            self.buffers -= 1
-            self.replaced += 1
-            over -= buf.numel()
-        return True
 
     def give(self, buf: torch.Tensor) -> None:
         with self._cond:

@@ -267,7 +267,7 @@ class ShardWriter:
         pool = self._stager.pool
         with self._stats_lock:
             self.run_meta.stats = {**self.stats, "pinned_bytes": pool.pinned_bytes,
-                                   "pinned_allocs_in_forward": pool.hot_allocs, "pinned_replaced": pool.replaced,
+                                   "pinned_allocs_in_forward": pool.hot_allocs,
                                    "forward_waited_s": round(self._forward_waited_s(), 3),
                                    **self._held_by(),  # over the whole run (the warning says it once)
                                    "peak_inflight_bytes": self._backlog.budget.peak,
