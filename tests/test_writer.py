@@ -341,6 +341,25 @@ def test_forwards_held_by_the_pinned_buffers_count_as_disk_bound(tmp_path):
     assert meta["stats"]["held_by_pinned_s"] >= 2.0 and meta["stats"]["held_by_budget_s"] < 1.0
 
 
+def test_forwards_held_while_most_pinned_buffers_are_free_are_said_to_outgrow_them(tmp_path, monkeypatch):
+    # The H200's --prenorm server: every full step outgrew the 62 buffers pinned ahead and waited
+    # for the one big enough ("1 of 63 in flight"); the warning blamed the disk. CPU tensors take
+    # no pinned buffer here, so the pool is set as it stood.
+    logged = []
+    monkeypatch.setattr(writer_mod.log, "warning", lambda msg, *a: logged.append(msg % a))
+    for in_flight, blamed in ((1, "larger than the buffers pinned ahead"), (63, "the disk is the limit")):
+        w = make_writer(tmp_path / str(in_flight))
+        pool = w._stager.pool
+        pool.waited_s, pool.buffers = 2.0, 63
+        pool._free = [torch.empty(1, dtype=torch.uint8)] * (63 - in_flight)
+        w.submit(*step("r0", 100), aux_layers=[1, 2])
+        pool._free = []  # the stand-ins are not the writer's to give back
+        assert w.close()
+        said = [m for m in logged if "cannot keep up" in m]
+        assert len(said) == 1 and f"{in_flight} of 63 in flight" in said[0] and blamed in said[0], said
+        logged.clear()
+
+
 def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path, monkeypatch):
     from hs_capture.server import config as config_mod
 

@@ -156,8 +156,13 @@ class ShardWriter:
             rates = self._backlog.rates(raw, disk, self._forward_waited_s())
             rates.update(self._held_by(), pinned_in_flight=self._stager.pool.in_flight())
             self.run_meta.disk_bound = rates
-        why = ("the disk is the limit" if self.cfg.on_backlog == "raw"
-               else "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw")
+        if rates["held_by_pinned_s"] > rates["held_by_budget_s"] and 2 * rates["pinned_in_flight"] <= rates["pinned_buffers"]:
+            # held by the pinned buffers while most are free: the steps outgrow the buffers
+            why = "the steps are larger than the buffers pinned ahead, and wait for the few big enough"
+        elif self.cfg.on_backlog == "raw":
+            why = "the disk is the limit"
+        else:
+            why = "HSCAP_ON_BACKLOG=raw would let the writer catch up by writing raw"
         log.warning("WARNING: rank %s: capture cannot keep up: forwards held %.1f s so far (%.1f s by the in-flight "
                     "budget, %.1f s waiting for a pinned buffer, %d of %d in flight; policy block: nothing lost, the "
                     "server runs at the writer's pace). Over the last %.0f s: states produced at %.2f GB/s, written "
