@@ -26,6 +26,7 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import List, Optional
 
 import torch
 
@@ -60,12 +61,13 @@ def make_writer(root: str, threads: int, codec: str = "bytegroup", level: int = 
     return w
 
 
-def prewarm_and_wait(w: ShardWriter, inflight: int, timeout_s: float) -> None:
-    """Pin the pool for full steps as capture.setup_model does at model init, and wait until
-    the in-flight budget is pinned (there is ample time before the first request)."""
-    w.prewarm(STEP_SIZES)
+def prewarm_and_wait(w: ShardWriter, inflight: int, timeout_s: float, sizes: Optional[List[int]] = None) -> None:
+    """Pin the pool for full steps (default STEP_SIZES) as capture.setup_model does at model
+    init, and wait until the in-flight budget is pinned (there is ample time before the first request)."""
+    sizes = STEP_SIZES if sizes is None else sizes
+    w.prewarm(sizes)
     deadline = time.time() + timeout_s
-    step = w.pinned_pool.rounded(step_buffer_bytes(STEP_SIZES))  # what prewarm pins: whole steps, one buffer each
+    step = w.pinned_pool.rounded(step_buffer_bytes(sizes))  # what prewarm pins: whole steps, one buffer each
     while w.pinned_pool.pinned_bytes < inflight // step * step and time.time() < deadline:
         time.sleep(0.1)
 

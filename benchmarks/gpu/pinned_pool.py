@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 
-from capture import write_results  # noqa: E402  (beside this file)
-from sustained import Janitor  # noqa: E402
+from capture import prewarm_and_wait, write_results  # noqa: E402  (beside this file)
+from sustained import Janitor, mean  # noqa: E402
 from hs_capture.server import config, staging  # noqa: E402
 from hs_capture.server.capture import _step_bytes  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
@@ -111,10 +111,6 @@ def calibrate(tokens: int, hidden: int, step_ms: float, device: str) -> int:
     return max(5, int(50 * step_ms / 1e3 / (sum(t) / len(t))))
 
 
-def mean(xs: List[float]) -> float:
-    return sum(xs) / max(1, len(xs))
-
-
 def run_case(name: str, forward, a, device: str, prenorm_counted: bool) -> dict:
     root = os.path.join(a.dir, f"hscap-pinned-pool-{os.getpid()}-{name}")
     cfg = config.load({"HSCAP_DIR": root, "HSCAP_RUN_ID": "run-pool", "HSCAP_LAYERS": ",".join(map(str, LAYERS)),
@@ -125,13 +121,9 @@ def run_case(name: str, forward, a, device: str, prenorm_counted: bool) -> dict:
                     expected_rows=a.tokens, step_sizes=sizes, copier=HostCopier() if device == "cpu" else None)
     w.start()
     step = w.pinned_pool.rounded(staging.step_buffer_bytes(sizes))
-    if device == "cuda":
-        w.prewarm()  # what the hook does at model load; then wait until the budget is pinned
-    else:
+    if device == "cpu":  # the writer pins ahead only on a GPU: the same buffers, unpinned
         w.pinned_pool.prewarm([step] * (w.cfg.max_inflight_bytes // step))
-    deadline = time.time() + 60
-    while w.pinned_pool.pinned_bytes < w.cfg.max_inflight_bytes // step * step and time.time() < deadline:
-        time.sleep(0.1)
+    prewarm_and_wait(w, w.cfg.max_inflight_bytes, 60, sizes)  # what the hook does at model load
     pinned_ahead = w.pinned_pool.buffers
     janitor = Janitor(cfg.run_dir, RankId())
     janitor.start()
