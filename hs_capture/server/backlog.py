@@ -1,9 +1,9 @@
 """How far behind the shard writer is, and what that costs the forward.
 
-Three numbers decide it: the bytes in flight (staged, not yet indexed) against the budget,
-past which a forward waits (or its step is dropped); the bytes queued that no writer thread
-has picked up yet, which decide when a step is written raw to catch up; and the bytes
-produced per second, for the one loud report when even raw writes cannot keep up.
+Two numbers decide it: the bytes in flight (staged, not yet indexed) against the budget,
+past which a forward waits (or its step is dropped); and the bytes produced per second, for
+the one loud report when even raw writes cannot keep up. (When a step is written raw to catch
+up is the writing side's call: store.StoreWorkers.)
 """
 
 from __future__ import annotations
@@ -29,16 +29,20 @@ class Budget:
         self.peak = 0
         self.waited_s = 0.0  # time forwards spent held by back-pressure
         self._cond = threading.Condition()
+        self._aborted = False
 
     def acquire(self, n: int, block: bool) -> bool:
+        """False: full and not blocking, or aborted (the writer is gone)."""
         with self._cond:
             if self.used and self.used + n > self.limit:
                 if not block:
                     return False
                 t0 = time.monotonic()
-                while self.used and self.used + n > self.limit:
+                while self.used and self.used + n > self.limit and not self._aborted:
                     self._cond.wait()
                 self.waited_s += time.monotonic() - t0
+            if self._aborted:
+                return False
             self.used += n
             self.peak = max(self.peak, self.used)
             return True
@@ -48,15 +52,19 @@ class Budget:
             self.used -= n
             self._cond.notify_all()
 
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
 
 class Backlog:
-    """The budget, the queue of steps waiting for a thread, and the produced rate."""
+    """The budget and the produced rate."""
 
     def __init__(self, limit: int) -> None:
         self.budget = Budget(limit)
         self.produced = 0
         self._t0: Optional[float] = None
-        self._waiting = 0
         self._lock = threading.Lock()
         # (time, produced, written raw, to disk) at each step, the last RATE_WINDOW_S of them
         self._history: Deque[Tuple[float, int, int, int]] = deque()
@@ -68,18 +76,6 @@ class Backlog:
             self._t0 = time.monotonic()
         self.produced += nbytes
         return self.budget.acquire(nbytes, block)
-
-    def queued(self, nbytes: int) -> None:
-        with self._lock:
-            self._waiting += nbytes
-
-    def picked(self, nbytes: int) -> bool:
-        """A thread took a queued step. True when the writer is behind: the steps still waiting
-        hold over a quarter of the budget, so they would fill it before a thread that compresses
-        this one came back (write it raw)."""
-        with self._lock:
-            self._waiting -= nbytes
-            return self._waiting * 4 > self.budget.limit
 
     def done(self, nbytes: int) -> None:
         self.budget.release(nbytes)

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import weakref
 from dataclasses import asdict, replace
 from typing import Any, Dict, List, Optional
@@ -30,6 +31,7 @@ from hs_capture.dump.layer_ids import served_ids
 from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from hs_capture.dump.schema import RankMeta
+from hs_capture.server.forward_cost import ForwardCost, LockProbe
 from hs_capture.server.step import take_step
 from hs_capture.server.writer import ShardWriter
 
@@ -158,7 +160,9 @@ class ModelCapture:
             pre, self._prenorm = self._prenorm, None
             if pre is None:
                 raise ValueError("the final norm's input was not seen in this forward")
+        t0 = time.perf_counter()
         line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
+        self.writer.cost.add("step_line", time.perf_counter() - t0)
         self.writer.submit(line, tensors, aux_layers)
         self.steps += 1
         if self.steps == 1:
@@ -236,7 +240,8 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     state.log_layer_sets()
     state.layers_for(model, capturing=True)
     causal_lm.capture_aux_hidden_states = True
-    where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads, "
+    where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads in "
+             f"{'a writer process' if writer.cfg.writer == 'process' else 'this process'}, "
              f"{writer.cfg.max_inflight_bytes / 2 ** 30:.1f} GiB in flight)") if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
     log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; %s",
              type(causal_lm).__name__, layers, "entering-layer convention",
@@ -303,6 +308,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "codec": cfg.codec,
             "level": cfg.level,
             "writer_threads": cfg.writer_threads,
+            "writer": cfg.writer,
             "on_full": cfg.on_full,
         },
     )
@@ -315,11 +321,11 @@ _shutdown_installed = False
 def close_all(timeout: float = 600.0) -> None:
     for w in list(_writers):
         done = w.close(timeout)
-        s = w.stats
-        log.info("rank %s: closed%s: %d steps, %d tokens, %.1f MB raw -> %.1f MB on disk, %d dropped, %d failed",
-                 w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
-                 s["tokens_written"], s["raw_bytes"] / 1e6, s["file_bytes"] / 1e6,
-                 s["steps_dropped"], s["steps_failed"])
+        s, f = w.stats, w.forward_stats()
+        log.info("rank %s: closed%s: %d steps, %d tokens, %.1f MB raw -> %.1f MB on disk, %d dropped, %d failed; "
+                 "%s; %s", w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
+                 s["tokens_written"], s["raw_bytes"] / 1e6, s["file_bytes"] / 1e6, s["steps_dropped"],
+                 s["steps_failed"], ForwardCost.describe(f["forward_cost"]), LockProbe.describe(f["lock_probe"]))
 
 
 def _install_shutdown(flush_timeout_s: float) -> None:

@@ -16,6 +16,7 @@ from hs_capture.dump.codec import CODECS
 DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deployment's name
 ON_FULL_POLICIES = ("block", "drop")
 BACKLOG_POLICIES = ("raw", "off")
+WRITERS = ("process", "thread")
 
 
 class ConfigError(ValueError):
@@ -32,6 +33,9 @@ class CaptureConfig:
     writer_threads: int = 0  # 0: sized at model load from the cores and the writers on the host
     max_inflight_bytes: int = 0  # 0: sized at model load from the threads and the step (inflight_budget)
     on_full: str = "block"
+    # where the writing runs: a process of the rank's own (its threads off the scheduler's
+    # interpreter lock), or threads of the server's process
+    writer: str = "process"
     # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
     # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
     # always compresses
@@ -170,6 +174,9 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     if on_backlog not in BACKLOG_POLICIES:
         raise ConfigError(f"HSCAP_ON_BACKLOG={on_backlog!r}: choose raw (write raw while the writer is behind) "
                           "or off (always compress)")
+    writer = env.get("HSCAP_WRITER", "process").strip() or "process"
+    if writer not in WRITERS:
+        raise ConfigError(f"HSCAP_WRITER={writer!r}: choose process (the default) or thread")
     return CaptureConfig(
         dump_dir=os.path.abspath(dump_dir),
         run_id=run_id,
@@ -179,6 +186,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         writer_threads=_int(env, "HSCAP_WRITER_THREADS", 0, 0, 64),
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 0, 0, 1 << 20) << 20,
         on_full=on_full,
+        writer=writer,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),

@@ -43,6 +43,11 @@ class RunRecord:
         except OSError:
             self._reserve = None
 
+    def adopt(self) -> None:
+        """Take over a record another process opened (the writer process, from the server)."""
+        path = reserve_path(self.run_dir, self.rank)
+        self._reserve = path if os.path.exists(path) else None
+
     def free_reserve(self) -> None:
         if self._reserve:
             files.remove_quietly([self._reserve])

@@ -19,13 +19,17 @@ the side stream then copies the clone.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Collection, Dict, List, Optional, Protocol
+from typing import Callable, Collection, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
+from hs_capture.dump.hst import dtype_name
+from hs_capture.server.step_files import Placed
 
 ALIGN = 256  # each tensor of a step starts on this boundary of its step's buffer
 
@@ -39,41 +43,95 @@ def step_buffer_bytes(sizes: List[int]) -> int:
     return sum(_aligned(n) for n in sizes)
 
 
+class HostBuffer:
+    """One step's host memory: a memfd (so the writer process can map the same pages from the
+    fd it is sent), mapped here and, with a GPU, registered with CUDA as pinned memory so the
+    device-to-host copy runs asynchronously. Its size is exact (whole pages), so the pinned
+    figure the writer reports is what the host really pins."""
+
+    PAGE = mmap.PAGESIZE
+
+    def __init__(self, ident: int, nbytes: int, pin: bool) -> None:
+        self.ident = ident
+        self.nbytes = -(-max(nbytes, 1) // self.PAGE) * self.PAGE
+        self.fd = _memfd(f"hscap-step-{ident}", self.nbytes)
+        self._map = mmap.mmap(self.fd, self.nbytes) if self.fd >= 0 else mmap.mmap(-1, self.nbytes)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            if int(err) != 0:
+                self.free()
+                raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (error {int(err)})")
+            self.pinned = True
+
+    def free(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        self.tensor = None
+        try:
+            self._map.close()
+        except (BufferError, ValueError):  # a view still exported: the mapping goes with it
+            pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _memfd(name: str, nbytes: int) -> int:
+    """An anonymous memory file of nbytes (-1 where the platform has none: in-process only)."""
+    if not hasattr(os, "memfd_create"):
+        return -1
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class PinnedPool:
-    """Reusable pinned host buffers, one per step. Pinning runs at ~1 GB/s (measured on the
-    H200: 0.44 s for one 8192-token DeepSeek step), so it must never happen in a forward:
-    `prewarm` pins full-size steps on a background thread, buffers are recycled best-fit, and
-    once `cap` bytes are pinned a step waits for a buffer the writer gives back (back-pressure)
-    instead of pinning more. Only a step larger than every buffer made is pinned anew: buffers
-    cut short of the real step therefore serialize every full step on the few big enough (prefill
-    at 0.30 of the plain server on the H200 when the pre-norm state was left out of the cut).
-    Free buffers are not given up for larger ones: torch caches a freed pinned block by its
-    power-of-two size and never hands it to a larger request, so the memory would stay pinned."""
+    """Reusable host buffers (HostBuffer), one per step. Pinning runs at ~1 GB/s, so it must
+    never happen in a forward: `prewarm` pins full-size steps on a background thread, buffers
+    are recycled best-fit, and once `cap` bytes are pinned a step waits for a buffer the writer
+    gives back (back-pressure) instead of pinning more. Only a step larger than every buffer
+    made is pinned anew: buffers cut short of the real step therefore serialize every full step
+    on the few big enough (benchmarks/README.md, gpu/pinned_pool.py). `on_new` hears of each new
+    buffer before any step uses it (the writer process maps it)."""
 
-    GRANULE = 2 << 20
-
-    def __init__(self, pin: bool = True, cap: int = 0) -> None:
-        self._pin = pin  # False only for a CPU copier (tests): pinning needs a CUDA driver
+    def __init__(self, pin: bool = True, cap: int = 0, on_new: Optional[Callable[[HostBuffer], None]] = None) -> None:
+        self._pin = pin  # False without CUDA: the buffers are shared, not pinned
         self._cap = cap  # 0: no cap
-        self._free: List[torch.Tensor] = []  # sorted by size
+        self.on_new = on_new
+        self._free: List[HostBuffer] = []  # sorted by size
+        self._all: Dict[int, HostBuffer] = {}
         self._cond = threading.Condition()
         self._largest = 0
+        self._aborted = False
         self.pinned_bytes = 0
         self.buffers = 0  # made so far; those not in `_free` are in flight
         self.hot_allocs = 0  # allocations a forward had to wait for
         self.waited_s = 0.0  # time forwards waited for a buffer to come back
 
-    def rounded(self, nbytes: int) -> int:
-        """What a buffer of nbytes actually pins."""
-        return -(-max(nbytes, 1) // self.GRANULE) * self.GRANULE
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        """What a buffer of nbytes actually takes: whole pages."""
+        return -(-max(nbytes, 1) // HostBuffer.PAGE) * HostBuffer.PAGE
 
-    def _alloc(self, nbytes: int) -> torch.Tensor:
-        size = self.rounded(nbytes)
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+    def _alloc(self, nbytes: int) -> HostBuffer:
         with self._cond:
-            self.pinned_bytes += size
+            ident = len(self._all)
+            self._all[ident] = None  # the id is taken
+        buf = HostBuffer(ident, nbytes, self._pin)
+        if self.on_new is not None:
+            self.on_new(buf)
+        with self._cond:
+            self._all[ident] = buf
+            self.pinned_bytes += buf.nbytes
             self.buffers += 1
-            self._largest = max(self._largest, size)
+            self._largest = max(self._largest, buf.nbytes)
         return buf
 
     def in_flight(self) -> int:
@@ -81,12 +139,15 @@ class PinnedPool:
         with self._cond:
             return self.buffers - len(self._free)
 
-    def take(self, nbytes: int, block: bool = True) -> Optional[torch.Tensor]:
-        """A buffer of at least nbytes; None only when `block` is False and the pool is at its cap."""
+    def take(self, nbytes: int, block: bool = True) -> Optional[HostBuffer]:
+        """A buffer of at least nbytes; None when `block` is False and the pool is at its cap,
+        or when the pool was aborted (the writer is gone)."""
         with self._cond:
             while True:
+                if self._aborted:
+                    return None
                 for i, buf in enumerate(self._free):
-                    if buf.numel() >= nbytes:
+                    if buf.nbytes >= nbytes:
                         return self._free.pop(i)
                 if (not self._cap or self.pinned_bytes + self.rounded(nbytes) <= self._cap
                         or self.rounded(nbytes) > self._largest):
@@ -99,10 +160,16 @@ class PinnedPool:
                 self.waited_s += time.monotonic() - t0
         return self._alloc(nbytes)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: HostBuffer) -> None:
         with self._cond:
             self._free.append(buf)
-            self._free.sort(key=lambda b: b.numel())
+            self._free.sort(key=lambda b: b.nbytes)
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Wake every waiting forward with nothing: the writer is gone."""
+        with self._cond:
+            self._aborted = True
             self._cond.notify_all()
 
     def prewarm(self, sizes: List[int]) -> None:
@@ -110,18 +177,25 @@ class PinnedPool:
             self.give(self._alloc(n))
 
     def trim(self) -> None:
+        """Free the buffers not in flight (at close)."""
         with self._cond:
-            self._free.clear()
+            free, self._free = self._free, []
+            for buf in free:
+                self._all.pop(buf.ident, None)
+        for buf in free:
+            buf.free()
 
 
 @dataclass
 class Staged:
-    """Host copies of one step's tensors; `ready()` blocks until they are valid."""
+    """One step's tensors in one host buffer; `ready()` blocks until they are valid.
+    `layout` places each tensor in the buffer (what the writer process needs to read it)."""
 
     tensors: Dict[str, torch.Tensor]
     nbytes: int
     event: Optional[object] = None
-    buffers: List[torch.Tensor] = field(default_factory=list)
+    buffer: Optional[HostBuffer] = None
+    layout: List[Placed] = field(default_factory=list)
 
     def ready(self) -> None:
         if self.event is not None:
@@ -173,6 +247,24 @@ class CudaSideStream:
         return event
 
 
+class CpuCopy:
+    """CPU tensors: copied at once, in the forward (nothing can change under a copy taken now)."""
+
+    pin_memory = False
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
+        host.copy_(t)
+
+    def finish(self) -> object:
+        return None
+
+
 def may_be_refilled(t: torch.Tensor) -> bool:
     """A view into a larger storage: possibly a buffer SGLang keeps and refills for the next
     batch (input registries, CUDA-graph outputs), not memory this forward allocated for itself."""
@@ -184,9 +276,11 @@ class Stager:
                  copier: Optional[AsyncCopier] = None) -> None:
         """prewarm_steps: full-size steps to pin ahead; 0 = as many as the in-flight budget holds,
         so that in steady state no forward ever pins (past the budget the writer blocks it).
-        copier: how device tensors are copied (default: a CUDA side stream, made on first use)."""
+        copier: how device tensors are copied (default: a CUDA side stream for CUDA tensors, made
+        on first use, a plain copy for CPU tensors)."""
         self._copier = copier
-        self._pool = PinnedPool(pin=copier.pin_memory if copier is not None else True, cap=budget_bytes)
+        pin = copier.pin_memory if copier is not None else torch.cuda.is_available()
+        self._pool = PinnedPool(pin=pin, cap=budget_bytes)
         self._expected_rows = expected_rows
         self._budget = budget_bytes
         self._prewarm_steps = prewarm_steps
@@ -223,38 +317,46 @@ class Stager:
             sizes.append(rows * row_bytes)
         return sizes
 
+    def _copier_for(self, tensors: Dict[str, torch.Tensor]) -> AsyncCopier:
+        if self._copier is not None:
+            return self._copier
+        if any(t.is_cuda for t in tensors.values()):
+            self._copier = CudaSideStream()
+            return self._copier
+        return _CPU_COPY
+
     def stage(self, tensors: Dict[str, torch.Tensor], inputs: Collection[str] = (),
               block: bool = True) -> Optional[Staged]:
-        """Start copying one step's tensors to the host. `inputs`: names of tensors that come
-        from the batch's inputs (always owned first: SGLang refills them for the next batch).
-        None only when `block` is False and every pinned buffer is in flight."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        copier = self._copier
-        if copier is None:
-            if not any(t.is_cuda for t in tensors.values()):
-                # synchronous: nothing can change under a clone taken now
-                return Staged({k: t.detach().contiguous().clone() for k, t in tensors.items()}, nbytes)
-            copier = self._copier = CudaSideStream()
-        buf = self._pool.take(step_buffer_bytes([t.numel() * t.element_size() for t in tensors.values()]), block)
+        """Start copying one step's tensors into one host buffer. `inputs`: names of tensors
+        that come from the batch's inputs (always owned first: SGLang refills them for the next
+        batch). None when `block` is False and every buffer is in flight, or the pool was aborted."""
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        copier = self._copier_for(tensors)
+        buf = self._pool.take(step_buffer_bytes(sizes), block)
         if buf is None:
             return None
         owned = {k: copier.own(t.detach()) if k in inputs or may_be_refilled(t) else t.detach()
                  for k, t in tensors.items()}
         copier.begin()
         out: Dict[str, torch.Tensor] = {}
+        layout: List[Placed] = []
         at = 0
         for name, t in owned.items():
             n = t.numel() * t.element_size()
-            host = buf[at: at + n].view(t.dtype).view(t.shape)
-            at += _aligned(n)
+            host = buf.tensor[at: at + n].view(t.dtype).view(t.shape)
             copier.copy(host, t)
             out[name] = host
+            layout.append(Placed(name, dtype_name(t.dtype), tuple(int(x) for x in t.shape), at, n))
+            at += _aligned(n)
         event = copier.finish()
         if not self._prewarmed and copier.pin_memory:
             self.prewarm_async(self._step_sizes(tensors))
-        return Staged(out, nbytes, event, [buf])
+        return Staged(out, sum(sizes), event, buf, layout)
 
     def release(self, staged: Staged) -> None:
-        for buf in staged.buffers:
-            self._pool.give(buf)
-        staged.buffers = []
+        if staged.buffer is not None:
+            self._pool.give(staged.buffer)
+            staged.buffer = None
+
+
+_CPU_COPY = CpuCopy()

@@ -1,13 +1,18 @@
 """One captured step on disk: a .hst file per part (each captured layer, the final state with
 the batch's token ids and positions beside it, the pre-norm state), each written atomically,
-then the directories synced. Nothing is indexed here: the writer commits the step after."""
+then the directories synced. Nothing is indexed here: the writer commits the step after.
+
+Torch-free: a step arrives as one host buffer and the place of each tensor in it (`Placed`),
+so the same code writes in the server's process and in the writer process.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Mapping, Tuple
+from dataclasses import replace
+from typing import Dict, List, Mapping, NamedTuple, Sequence, Tuple
 
-import torch
+import numpy as np
 
 from hs_capture.dump import files
 from hs_capture.dump import hst as fmt
@@ -18,37 +23,58 @@ from hs_capture.dump.schema import FileRef
 # The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
 # next batch while this step is still being copied: staging owns them first (staging.py).
 INPUT_PARTS = ("tokens", "positions")
-def split_parts(tensors: Mapping[str, torch.Tensor], aux_layers: List[int]) -> Dict[str, torch.Tensor]:
-    """SGLang's packed aux [T, K*H] cut into one view per layer (L02, L30, ...), on the host."""
-    parts = {}
-    for name, t in tensors.items():
-        if name == "aux":
-            width = t.shape[-1] // max(1, len(aux_layers))
-            for j, layer in enumerate(aux_layers):
-                parts[part_name(layer)] = t[..., j * width:(j + 1) * width]  # a view: encoded in place
+
+
+class Placed(NamedTuple):
+    """Where one tensor of a step lies in its host buffer."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def tensor_bytes(memory: np.ndarray, p: Placed) -> np.ndarray:
+    """The tensor's bytes in the buffer, without a copy (uint8)."""
+    return memory[p.offset:p.offset + p.nbytes]
+
+
+def split_parts(memory: np.ndarray, layout: Sequence[Placed], aux_layers: List[int]) -> Dict[str, fmt.RawTensor]:
+    """Each part's tensor as the .hst encoder takes it; SGLang's packed aux [T, K*H] cut into one
+    column block per layer (L02, L30, ...), on the host, without a copy."""
+    parts: Dict[str, fmt.RawTensor] = {}
+    for p in layout:
+        data = tensor_bytes(memory, p)
+        if p.name == "aux" and aux_layers and len(p.shape) == 2:
+            rows, cols = p.shape
+            width = cols // len(aux_layers)
+            blocks = data.reshape(rows, -1) if rows else None
+            wb = blocks.shape[1] // len(aux_layers) if rows else 0
+            for j, layer in enumerate(aux_layers):  # a column block: rows contiguous, not adjacent
+                block = blocks[:, j * wb:(j + 1) * wb] if rows else memoryview(b"")
+                parts[part_name(layer)] = fmt.RawTensor("hidden", p.dtype, [rows, width], block)
         else:
-            parts[name] = t
+            parts[p.name] = fmt.RawTensor("hidden", p.dtype, list(p.shape), memoryview(data))
     return parts
 
 
-def _raw(name: str, t: torch.Tensor) -> fmt.RawTensor:
-    return fmt.RawTensor(name, fmt.dtype_name(t.dtype), list(t.shape), _bytes_of(t))
-
-
-def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, str], tensors: Mapping[str, torch.Tensor],
-                     aux_layers: List[int], codec: str, level: int, fsync: bool) -> Tuple[Dict[str, FileRef], int, int]:
+def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, str], memory: np.ndarray,
+                     layout: Sequence[Placed], aux_layers: List[int], codec: str, level: int,
+                     fsync: bool) -> Tuple[Dict[str, FileRef], int, int]:
     """Every part's file, or none (a failure removes those already written). Returns the
     index line's `files` ({part: FileRef}), the raw bytes and the bytes on disk."""
     written: Dict[str, FileRef] = {}
     raw_total = file_total = 0
     dirs = set()
-    for part, t in split_parts(tensors, aux_layers).items():
+    parts = split_parts(memory, layout, aux_layers)
+    for part, t in parts.items():
         if part in INPUT_PARTS:
             continue  # stored beside the final state, below
         rel = step_file(rank, step, part)
-        raws = [_raw("hidden", t)]
+        raws = [t]
         if part == FINAL:
-            raws += [_raw("input_ids", tensors["tokens"]), _raw("positions", tensors["positions"])]
+            raws += [replace(parts["tokens"], name="input_ids"), replace(parts["positions"], name="positions")]
         path = os.path.join(run_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         dirs.add(os.path.dirname(path))
@@ -59,7 +85,7 @@ def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, st
             remove_step_files(run_dir, written)
             raise
         written[part] = FileRef(rel, size)
-        raw_total += sum(x.data.nbytes for x in raws)
+        raw_total += sum(_nbytes(x.data) for x in raws)
         file_total += size
     if fsync:
         for d in dirs:
@@ -67,17 +93,9 @@ def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, st
     return written, raw_total, file_total
 
 
+def _nbytes(data) -> int:
+    return data.size if isinstance(data, np.ndarray) else memoryview(data).nbytes
+
+
 def remove_step_files(run_dir: str, written: Mapping[str, FileRef]) -> None:
     remove_quietly(os.path.join(run_dir, f.path) for f in written.values())
-
-
-def _bytes_of(t: torch.Tensor):
-    """The tensor's bytes without a copy: a buffer, or for a column block of a 2-D tensor
-    (rows contiguous, not adjacent) a 2-D uint8 array that format.encode_file reads row-wise."""
-    if not t.numel():
-        return memoryview(b"")
-    if t.is_contiguous():
-        return memoryview(t.view(torch.uint8).numpy())
-    if t.dim() == 2 and t.stride(-1) == 1:
-        return t.view(torch.uint8).numpy()
-    return memoryview(t.contiguous().view(torch.uint8).numpy())

@@ -1,0 +1,63 @@
+"""Messages between a server process and its writer process: pickled Python objects over a
+Unix SOCK_SEQPACKET socket (boundaries kept, file descriptors passed beside a message).
+
+A message larger than one packet goes as several, each flagged whether more follow; its
+descriptors ride on the first. A closed peer reads as EOFError.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+from typing import Any, List, Sequence, Tuple
+
+_PACKET = 32 << 10  # under the default socket buffer, whatever the host's limits
+_MORE, _LAST = b"\x01", b"\x00"
+_MAX_FDS = 16
+
+
+class Channel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    @classmethod
+    def pair(cls) -> Tuple["Channel", socket.socket]:
+        """This side's channel and the other side's socket (to hand to the child)."""
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        return cls(a), b
+
+    @classmethod
+    def from_fd(cls, fd: int) -> "Channel":
+        return cls(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd))
+
+    def send(self, msg: Any, fds: Sequence[int] = ()) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        pieces = [data[i:i + _PACKET] for i in range(0, len(data), _PACKET)] or [b""]
+        with self._send_lock:
+            for i, piece in enumerate(pieces):
+                flag = _MORE if i < len(pieces) - 1 else _LAST
+                if i == 0 and fds:
+                    socket.send_fds(self.sock, [flag + piece], list(fds))
+                else:
+                    self.sock.sendall(flag + piece)
+
+    def recv(self) -> Tuple[Any, List[int]]:
+        """The next message and the descriptors that came with it. EOFError: the peer is gone."""
+        parts, fds = [], []
+        while True:
+            data, got, _flags, _addr = socket.recv_fds(self.sock, _PACKET + 1, _MAX_FDS)
+            if not data:
+                raise EOFError("the peer closed the channel")
+            fds += got
+            parts.append(data[1:])
+            if data[:1] == _LAST:
+                return pickle.loads(b"".join(parts)), fds
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

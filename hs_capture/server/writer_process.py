@@ -1,0 +1,265 @@
+"""The writer process: a rank's compression and disk writes, out of the server's process.
+
+Writer threads inside SGLang's scheduler process compete with the scheduler for Python's
+interpreter lock and slow every step it takes (benchmarks/gil_contention.py,
+benchmarks/gpu/rate_sweep.py). So each writing rank starts one child process
+(`python -m hs_capture.server.writer_process FD`) that runs the store's threads. The server
+copies each step into a host buffer both processes map (a memfd, passed once by its fd, pinned
+for the device copy), and sends the child the step's index line and layout once the copy is
+done; the child writes and commits it, and says when the buffer may be reused.
+
+Either side may die. The child ignores SIGINT and SIGTERM (the server decides when it ends):
+when the server closes the channel, cleanly or by dying, the child drains every step it was
+sent (its copy was complete when sent) and records the run as closed. When the child dies the
+server stops capture loudly and serves on; a step not indexed was never written.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from hs_capture.dump.paths import RankId
+from hs_capture.dump.schema import IndexLine, RankMeta
+from hs_capture.server.channel import Channel
+from hs_capture.server.config import CaptureConfig, ConfigError
+from hs_capture.server.log import get_logger
+from hs_capture.server.run_record import RunRecord
+from hs_capture.server.store import STAT_KEYS, ShardStore, StoreWorkers, WriteJob
+
+log = get_logger()
+
+START_TIMEOUT_S = 60.0
+# The writer runs below the server's priority: when the host's cores are short, the server's
+# own processes come first (a writer that falls behind holds forwards, which is reported).
+NICE = 5
+
+
+class ProcessSink:
+    """The server side of a writer process: starts it, hands it steps and buffers, hears back."""
+
+    def __init__(self, cfg: CaptureConfig, rank: RankId, record: RunRecord, budget_bytes: int,
+                 on_lost: Callable[[], None]) -> None:
+        self.cfg, self.rank, self.record = cfg, rank, record
+        self._budget = budget_bytes
+        self._on_lost = on_lost
+        self.stats: Dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+        self.stopped: Optional[Dict[str, Any]] = None
+        self.failure: Optional[str] = None
+        self._jobs: Dict[int, Tuple[Any, Callable[[], None]]] = {}
+        self._jobs_lock = threading.Lock()
+        self._next_job = 0
+        self._outbox: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._closing = False
+        self._closed_reply: Optional[tuple] = None
+        self._ended = threading.Event()
+        self._proc: Optional[subprocess.Popen] = None
+        self._chan: Optional[Channel] = None
+        self._threads: List[threading.Thread] = []
+
+    def start(self, meta: RankMeta) -> None:
+        self._meta = meta
+        self._chan, theirs = Channel.pair()
+        env = dict(os.environ, HSCAP_DISABLE="1")  # the child runs no capture hook of its own
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "hs_capture.server.writer_process", str(theirs.fileno())],
+                                          pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self._chan.send(("init", self.cfg, self.rank, meta, self._budget))
+        self._chan.sock.settimeout(START_TIMEOUT_S)
+        try:
+            msg, _ = self._chan.recv()
+        except (EOFError, OSError) as e:
+            raise ConfigError(f"the writer process did not start (exit code {self._proc.poll()}): {e}") from None
+        self._chan.sock.settimeout(None)
+        if msg[0] != "ready":
+            raise ConfigError(f"the writer process refused to start: {msg[1]}")
+        log.info("rank %s: writer process %d started (%d threads)", self.rank.tag, self._proc.pid, self.cfg.writer_threads)
+        self._threads = [threading.Thread(target=self._send_steps, name="hscap-send", daemon=True),
+                         threading.Thread(target=self._hear, name="hscap-hear", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------- server -> writer
+    def add_buffer(self, buf: Any) -> None:
+        """A new host buffer: the child maps it before any step in it reaches it."""
+        if self._chan is not None and buf.fd >= 0:
+            self._send(("buffer", buf.ident, buf.nbytes), [buf.fd])
+
+    def put(self, step: int, line: IndexLine, staged: Any, aux_layers: List[int], done: Callable[[], None]) -> None:
+        with self._jobs_lock:
+            job = self._next_job
+            self._next_job += 1
+            self._jobs[job] = (staged, done)
+        self._outbox.put((job, step, line, staged, aux_layers))
+
+    def drop(self, step: int, line: IndexLine) -> None:
+        self._outbox.put((None, step, line, None, None))
+
+    def _send(self, msg: tuple, fds: List[int] = ()) -> bool:
+        try:
+            self._chan.send(msg, fds)
+            return True
+        except OSError:
+            return False  # the child is gone: _hear says so
+
+    def _send_steps(self) -> None:
+        """In order: wait for each step's device copy (off the forward), then send it."""
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            job, step, line, staged, aux_layers = item
+            if job is None:
+                self._send(("drop", step, line))
+                continue
+            try:
+                staged.ready()
+            except Exception as e:  # the copy failed: the step is not written, the server goes on
+                self.failure = f"{type(e).__name__}: {e}"
+                self._finish_job(job)
+                continue
+            if not self._send(("step", job, step, line, staged.buffer.ident, staged.layout, aux_layers, staged.nbytes)):
+                self._finish_job(job)
+
+    # ------------------------------------------------------------- writer -> server
+    def _hear(self) -> None:
+        while True:
+            try:
+                msg, _ = self._chan.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "done":
+                _, job, stats, stopped, failure = msg
+                self.stats, self.failure = stats, failure or self.failure
+                if stopped and not self.stopped:
+                    self.stopped = stopped
+                self._finish_job(job)
+            elif msg[0] == "closed":
+                self._closed_reply = msg
+                self.stats = msg[2]
+        self._ended.set()
+        if not self._closed_reply and not self._closing:
+            self._lost()
+        self._finish_all()
+
+    def _finish_job(self, job: int) -> None:
+        with self._jobs_lock:
+            entry = self._jobs.pop(job, None)
+        if entry is not None:
+            entry[1]()
+
+    def _finish_all(self) -> None:
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            self._finish_job(job)
+
+    def _lost(self) -> None:
+        """The child died under a running server: stop capture loudly, serve on."""
+        code = self._proc.wait(5) if self._proc is not None else None
+        reason = f"the writer process exited (code {code})"
+        self.stopped = {"reason": reason, "step": self._next_job, "time": time.time()}
+        self._on_lost()
+        try:
+            store = ShardStore(self.cfg, self.rank, self._meta, self.record)  # it records the stop
+            store.stats.update(self.stats)
+            store.stop(-1, reason + "; steps it had not indexed are not in the dump")
+        except Exception as e:
+            log.error("ERROR: rank %s: could not record the writer's loss: %s", self.rank.tag, e)
+
+    # ------------------------------------------------------------- close
+    def close(self, timeout: float, forward: Dict[str, Any]) -> bool:
+        self._closing = True
+        self._outbox.put(None)
+        for t in self._threads[:1]:
+            t.join(timeout)
+        if not self._ended.is_set():
+            self._send(("close", timeout, forward))
+            self._ended.wait(timeout + 10)
+        if self._proc is not None:
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        if self._chan is not None:
+            self._chan.close()
+        return bool(self._closed_reply and self._closed_reply[1])
+
+
+# ----------------------------------------------------------------- the child
+def main(argv: List[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        os.nice(NICE)
+    except OSError:
+        pass
+    chan = Channel.from_fd(int(argv[0]))
+    try:
+        (kind, cfg, rank, meta, budget), _ = chan.recv()
+        record = RunRecord(cfg, rank)
+        record.adopt()  # the server claimed the rank
+        store = ShardStore(cfg, rank, meta, record)
+        store.begin()
+        workers = StoreWorkers(store, cfg.writer_threads, budget)
+        workers.start()
+    except Exception as e:
+        chan.send(("error", f"{type(e).__name__}: {e}"))
+        return 1
+    chan.send(("ready",))
+    maps: Dict[int, np.ndarray] = {}
+    timeout, forward, gone = 600.0, {}, False
+
+    def done_with(job: int) -> Callable[[], None]:
+        def done() -> None:
+            try:
+                chan.send(("done", job, store.snapshot(), store.stopped, store.failure))
+            except OSError:
+                pass  # the server is gone: the step is on disk all the same
+        return done
+
+    while True:
+        try:
+            msg, fds = chan.recv()
+        except (EOFError, OSError):
+            gone = True
+            break
+        kind = msg[0]
+        if kind == "buffer":
+            _, ident, nbytes = msg
+            maps[ident] = np.frombuffer(mmap.mmap(fds[0], nbytes, prot=mmap.PROT_READ), dtype=np.uint8)
+            os.close(fds[0])
+        elif kind == "step":
+            _, job, step, line, ident, layout, aux_layers, nbytes = msg
+            workers.put(WriteJob(step, line, maps[ident], layout, aux_layers, nbytes, lambda: None, done_with(job)))
+        elif kind == "drop":
+            store.drop(msg[1], msg[2])
+        elif kind == "close":
+            _, timeout, forward = msg
+            break
+    finished = workers.close(timeout)
+    if gone:
+        log.warning("rank %s: the server closed without a word: the writer wrote every step it was sent and "
+                    "closes the run", rank.tag)
+    store.finish(finished, forward)
+    if not gone:
+        try:
+            chan.send(("closed", finished, store.snapshot()))
+        except OSError:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
