@@ -122,9 +122,9 @@ def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forwar
     import threading
     import time
 
-    from hs_capture.server.staging import PinnedPool
+    from hs_capture.server.staging import HostBuffer, PinnedPool
 
-    g = PinnedPool.GRANULE
+    g = 1 << 20
     pool = PinnedPool(pin=False, cap=2 * g)
     a, _ = pool.take(g), pool.take(g)
     assert pool.hot_allocs == 2 and pool.pinned_bytes == 2 * g
@@ -138,7 +138,11 @@ def test_the_pool_waits_for_a_buffer_at_its_cap_instead_of_pinning_in_the_forwar
     t.join(5)
     assert got and got[0] is a and pool.pinned_bytes == 2 * g and pool.waited_s > 0.2
     big = pool.take(3 * g, block=False)  # larger than any buffer made: pinned even at the cap
-    assert big is not None and big.numel() == 3 * g
+    assert big is not None and big.nbytes == 3 * g
+    # what is counted is what is mapped: whole pages, no more (a cap is a cap)
+    odd = PinnedPool(pin=False)
+    buf = odd.take(g + 1)
+    assert buf.nbytes == g + HostBuffer.PAGE and odd.pinned_bytes == buf.nbytes and len(buf.tensor) == buf.nbytes
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["aux list (0.5.15)", "packed aux (0.5.23)"])

@@ -1,5 +1,7 @@
 """The shard writer on CPU tensors: back-pressure, counted drops, flush on close, atomicity.
-(Its CUDA path is measured on the H200: benchmarks/gpu/capture.py.)"""
+The store's logic is the same wherever it runs; these tests run it in this process
+(HSCAP_WRITER=thread) so that they can plant faults in it. The writer process itself:
+test_writer_process.py. (The CUDA path is measured on the GPU: benchmarks/gpu/.)"""
 
 import errno
 import json
@@ -23,8 +25,8 @@ from tests.sglang_cpu.stitch import stitch
 H = 64
 
 
-def make_writer(tmp_path, **kw):
-    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, **kw)
+def make_writer(tmp_path, writer="thread", **kw):
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, writer=writer, **kw)
     w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H))
     w.start()
     return w
@@ -351,7 +353,7 @@ def test_forwards_held_while_most_pinned_buffers_are_free_are_said_to_outgrow_th
         w = make_writer(tmp_path / str(in_flight))
         pool = w._stager.pool
         pool.waited_s, pool.buffers = 2.0, 63
-        pool._free = [torch.empty(1, dtype=torch.uint8)] * (63 - in_flight)
+        pool._free = [types.SimpleNamespace(nbytes=1)] * (63 - in_flight)
         w.submit(*step("r0", 100), aux_layers=[1, 2])
         pool._free = []  # the stand-ins are not the writer's to give back
         assert w.close()
@@ -369,11 +371,11 @@ def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path,
     memory = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": (1 << 40) // 4096}
     monkeypatch.setattr(config_mod, "usable_cores", lambda: 10)
     monkeypatch.setattr(config_mod.os, "sysconf", lambda name: memory[name] if name in memory else real_sysconf(name))
-    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-auto", layers=[1, 2], fsync=False)
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-auto", layers=[1, 2], fsync=False, writer="thread")
     sizes = [8192 * 3 * 7168 * 2, 8192 * 7168 * 2, 8192 * 8, 8192 * 8]  # one H200 step: 470 MB
     w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), step_sizes=sizes)
     w.start()
-    started = len(w._threads)
+    started = w._sink.workers.count
     assert w.close()
     threads, budget = 10 - 4, (10 - 4 + 4) * sum(sizes)  # cores less 4; every thread busy plus 4 steps waiting
     assert budget > 4 << 30  # above the floor: the step sizes decide it
@@ -383,10 +385,10 @@ def test_settings_left_at_auto_are_resolved_by_the_writer_and_recorded(tmp_path,
     assert (stats["writer_threads"], stats["inflight_budget_bytes"]) == (threads, budget)
     # settings given are kept, not resolved again
     cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-set", layers=[1, 2], fsync=False, writer_threads=3,
-                        max_inflight_bytes=123 << 20)
+                        max_inflight_bytes=123 << 20, writer="thread")
     w = writer_mod.ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), step_sizes=sizes)
     w.start()
-    started = len(w._threads)
+    started = w._sink.workers.count
     assert w.close()
     assert (w.cfg.writer_threads, started, w.cfg.max_inflight_bytes) == (3, 3, 123 << 20)
     with open(rank_meta_path(w.run_dir, w.rank)) as f:

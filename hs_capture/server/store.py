@@ -117,16 +117,17 @@ class ShardStore:
         self.failure = f"{type(e).__name__}: {e}"
         log.error("rank %s: step %d not written: %s", self.rank.tag, step, self.failure)
 
-    def stop(self, step: int, reason: str) -> None:
+    def stop(self, step: Optional[int], reason: str,
+             advice: str = "re-send them after freeing space") -> None:
         """Stop capturing for good (the server keeps serving): recorded in the run metadata
         (if it still fits on the disk) and said loudly, once."""
         with self._stats_lock:
             if self.stopped:
                 return
             self.stopped = {"reason": reason, "step": step, "time": time.time()}
-        log.error("ERROR: rank %s: capture STOPPED at step %d: %s. The server keeps serving; "
-                  "prefills from now on are not captured (re-send them after freeing space)",
-                  self.rank.tag, step, reason)
+        log.error("ERROR: rank %s: capture STOPPED%s: %s. The server keeps serving; "
+                  "prefills from now on are not captured (%s)",
+                  self.rank.tag, "" if step is None else f" at step {step}", reason, advice)
         self.run_meta.capture_stopped = self.stopped
         self.record.free_reserve()
         try:

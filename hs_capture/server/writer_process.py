@@ -169,12 +169,13 @@ class ProcessSink:
         """The child died under a running server: stop capture loudly, serve on."""
         code = self._proc.wait(5) if self._proc is not None else None
         reason = f"the writer process exited (code {code})"
-        self.stopped = {"reason": reason, "step": self._next_job, "time": time.time()}
+        self.stopped = {"reason": reason, "step": None, "time": time.time()}
         self._on_lost()
         try:
             store = ShardStore(self.cfg, self.rank, self._meta, self.record)  # it records the stop
             store.stats.update(self.stats)
-            store.stop(-1, reason + "; steps it had not indexed are not in the dump")
+            store.stop(None, reason + "; steps it had not indexed are not in the dump",
+                       "re-send them; the server's log above may say why the writer died")
         except Exception as e:
             log.error("ERROR: rank %s: could not record the writer's loss: %s", self.rank.tag, e)
 

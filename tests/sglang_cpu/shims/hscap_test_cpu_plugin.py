@@ -20,27 +20,6 @@ def register():
     AttentionBackendRegistry.register("torch_native", handle_attention_torch_native)
     _gloo_model_parallel_groups()
     _dp_attention_padding_on_cpu()
-    _slow_disk()
-
-
-def _slow_disk():
-    """HSCAP_TEST_SLOW_DISK_MS=N: every step the writer writes takes N ms longer (a slow disk,
-    for the fault tests), injected here so that production code carries no test hook."""
-    import os
-    import time
-
-    ms = float(os.environ.get("HSCAP_TEST_SLOW_DISK_MS", "0") or 0)
-    if not ms:
-        return
-    from hs_capture.server import writer
-
-    real = writer.ShardWriter._write_step
-
-    def slow(self, *args, **kwargs):
-        time.sleep(ms / 1000.0)
-        return real(self, *args, **kwargs)
-
-    writer.ShardWriter._write_step = slow
 
 
 def _dp_attention_padding_on_cpu():

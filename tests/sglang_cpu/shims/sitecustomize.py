@@ -1,0 +1,23 @@
+"""Test environment only: chained by hs_capture's sitecustomize (or first on the path) in every
+process of a test server, the writer process included, so that a fault planted here reaches
+whichever process writes. Production code carries no test hook.
+
+HSCAP_TEST_SLOW_DISK_MS=N: every step the writer writes takes N ms longer (a slow disk).
+"""
+import os
+
+if float(os.environ.get("HSCAP_TEST_SLOW_DISK_MS", "0") or 0):
+    import wrapt
+
+    @wrapt.when_imported("hs_capture.server.store")
+    def _slow_disk(module):
+        import time
+
+        ms = float(os.environ["HSCAP_TEST_SLOW_DISK_MS"])
+        real = module.ShardStore.write
+
+        def slow(self, *args, **kwargs):
+            time.sleep(ms / 1000.0)
+            return real(self, *args, **kwargs)
+
+        module.ShardStore.write = slow

@@ -1,0 +1,179 @@
+"""The writer process (the default, HSCAP_WRITER=process) on CPU tensors: what it writes is
+what was submitted, a close drains it, and either side may die without harm: a dead writer
+stops capture loudly and never holds a forward; a dead server leaves every step it handed
+over committed and the run closed. The planted faults reach the child through the test
+shims' sitecustomize (tests/sglang_cpu/shims), as they do a test server's processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from hs_capture.dump.paths import RankId, index_path, rank_meta_path
+from hs_capture.dump.schema import RankMeta
+from hs_capture.offline.reader import open_runs
+from hs_capture.server.config import CaptureConfig
+from hs_capture.server.writer import ShardWriter
+from tests.sglang_cpu.harness import SHIMS
+from tests.sglang_cpu.stitch import stitch
+from tests.test_writer import H, index_lines, step
+
+
+@pytest.fixture
+def shims_on_path(monkeypatch):
+    """The child inherits this process's environment: put the test shims on its path."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([SHIMS, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+
+def make_writer(tmp_path, **kw):
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, **kw)
+    assert cfg.writer == "process"  # the default
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H))
+    w.start()
+    return w
+
+
+def meta_of(w):
+    with open(rank_meta_path(w.run_dir, w.rank)) as f:
+        return json.load(f)
+
+
+def test_every_step_is_written_as_submitted_and_the_costs_are_recorded(tmp_path):
+    w = make_writer(tmp_path)
+    assert w._sink._proc.pid != os.getpid()
+    sent = {}
+    for k in range(12):
+        line, t = step(f"r{k}", 20 + k)
+        sent[f"r{k}"] = t
+        assert w.submit(line, t, aux_layers=[1, 2])
+    assert w.close()
+    got = stitch(open_runs(str(tmp_path))[0])
+    for rid, t in sent.items():
+        s = got[rid]
+        assert s.complete and s.input_ids.tolist() == t["tokens"].tolist()
+        assert torch.equal(torch.from_numpy(s.final.copy()), t["final"])
+        assert torch.equal(torch.from_numpy(s.layers[1].copy()), t["aux"][:, :H])
+        assert torch.equal(torch.from_numpy(s.layers[2].copy()), t["aux"][:, H:])
+    meta = meta_of(w)
+    assert meta["status"] == "closed" and meta["stats"]["steps_written"] == 12 and w.stats["steps_written"] == 12
+    cost = meta["stats"]["forward_cost"]
+    assert cost["steps"] == 12 and cost["staging_s"] > 0 and meta["stats"]["writer"] == "process"
+    assert meta["stats"]["lock_probe"]["wake_delay_p99_ms"] >= 0
+    assert w._sink._proc.returncode == 0  # the child ended with the close
+
+
+def test_close_drains_every_step_queued_in_the_child(tmp_path, monkeypatch, shims_on_path):
+    monkeypatch.setenv("HSCAP_TEST_SLOW_DISK_MS", "100")
+    w = make_writer(tmp_path, writer_threads=1)
+    for k in range(10):
+        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
+    assert w.stats["steps_written"] < 10  # the slow disk left steps queued in the child
+    assert w.close()
+    assert len([x for x in index_lines(w) if "files" in x]) == 10 and meta_of(w)["status"] == "closed"
+
+
+def test_a_dead_writer_stops_capture_loudly_and_never_holds_a_forward(tmp_path, monkeypatch, shims_on_path, caplog):
+    monkeypatch.setenv("HSCAP_TEST_SLOW_DISK_MS", "3000")
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 100)[1].values())
+    w = make_writer(tmp_path, writer_threads=1, max_inflight_bytes=int(one_step * 2.5))
+    for k in range(2):
+        assert w.submit(*step(f"r{k}", 100), aux_layers=[1, 2])
+    held = threading.Event()
+    # the budget is full: this forward waits for the writer, which is about to die
+    threading.Thread(target=lambda: (w.submit(*step("r2", 100), aux_layers=[1, 2]), held.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not held.is_set()
+    w._sink._proc.kill()
+    assert held.wait(10)  # let go, not left waiting for a writer that is gone
+    deadline = time.time() + 10
+    while not w.stopped and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.stopped and "writer process exited" in w.stopped["reason"]
+    assert not w.submit(*step("r3", 8), aux_layers=[1, 2])  # capture is off; the caller serves on
+    assert "capture STOPPED" in caplog.text and "writer process exited" in caplog.text
+    w.close(5)
+    meta = meta_of(w)
+    assert "writer process exited" in meta["capture_stopped"]["reason"]
+    # nothing that looks written but is not: every indexed step's files are whole
+    for line in index_lines(w) if os.path.exists(index_path(w.run_dir, w.rank)) else []:
+        for f in line.get("files", {}).values():
+            assert os.path.getsize(os.path.join(w.run_dir, f["path"])) == f["size"]
+
+
+_SERVER = r"""
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from hs_capture.dump.paths import RankId
+from hs_capture.dump.schema import RankMeta
+from hs_capture.server.config import CaptureConfig
+from hs_capture.server.writer import ShardWriter
+from tests.test_writer import step
+cfg = CaptureConfig(dump_dir={dump!r}, run_id="run-test", layers=[1, 2], fsync=False, writer_threads=1)
+w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=64))
+w.start()
+for k in range(8):
+    w.submit(*step(f"r{{k}}", 16), aux_layers=[1, 2])
+print(w._sink._proc.pid, flush=True)
+time.sleep(0.3)  # the child has the steps (their copies were done when sent)
+os.kill(os.getpid(), 9)  # the server dies without a word
+"""
+
+
+def test_a_server_that_dies_leaves_every_step_it_handed_over_committed(tmp_path, monkeypatch, shims_on_path):
+    monkeypatch.setenv("HSCAP_TEST_SLOW_DISK_MS", "100")  # steps still queued in the child at the kill
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dump = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", _SERVER.format(repo=repo, dump=dump)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    child = int(proc.stdout.split()[0])
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the writer process outlived its server")
+    rank = RankId(0, 0, 0)
+    run_dir = os.path.join(dump, "run-test")
+    with open(index_path(run_dir, rank)) as f:
+        lines = [json.loads(x) for x in f]
+    assert len([x for x in lines if "files" in x]) == 8  # every step handed over is committed
+    with open(rank_meta_path(run_dir, rank)) as f:
+        assert json.load(f)["status"] == "closed"
+    assert "the server closed without a word" in proc.stderr
+    samples = stitch(open_runs(dump)[0])
+    assert all(samples[f"r{k}"].complete for k in range(8))
+
+
+def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
+    """A cost the hook puts on the forwards is never silent: planted in the staging copies, it
+    is in the closing line and the run metadata under that cause."""
+    from hs_capture.server import capture
+    from hs_capture.server.staging import CpuCopy
+
+    class SlowCopy(CpuCopy):
+        def copy(self, host, t):
+            time.sleep(0.02)
+            host.copy_(t)
+
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False)
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), copier=SlowCopy())
+    w.start()
+    capture._writers.add(w)
+    for k in range(5):
+        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
+    capture.close_all(30)
+    cost = meta_of(w)["stats"]["forward_cost"]
+    assert cost["staging_s"] >= 5 * 4 * 0.02 and cost["held_s"] >= cost["staging_s"]  # 4 tensors a step
+    assert cost["budget_wait_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["steps"] == 5
+    line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
+    assert f"staging copies {cost['staging_s']:.3f} s" in line and "forwards held" in line and "woke" in line
