@@ -20,6 +20,10 @@
 #   bash benchmarks/gpu/device.sh purpose [purpose.py options]
 #                                                  unpacks chunk 1, (re)starts purpose.py, waits
 #   bash benchmarks/gpu/device.sh purpose-wait      waits for the run in progress
+# Capture on/off across the state rate (benchmarks/gpu/rate_sweep.py), the same way:
+#   bash benchmarks/gpu/device.sh sweep-stage       unpacks chunk 2, makes the model and data; returns at once
+#   bash benchmarks/gpu/device.sh sweep [options]   unpacks chunk 1, (re)starts rate_sweep.py, waits
+#   bash benchmarks/gpu/device.sh sweep-wait        waits for the run in progress
 set -euo pipefail
 ROOT=${HSCAP_GPU_ROOT:-/root/hscap-gpu}
 SITE=$ROOT/site
@@ -74,19 +78,33 @@ unpack_and_wait() {
   fi
 }
 
-# up to WAIT seconds for purpose.py; its results and logs go to $RESULTS either way
-wait_purpose() {
-  local out=${RESULTS:-$ROOT/results}
+# a benchmark NAME in the background, in a copy of the checkout: stops the one in progress first
+start_bg() {
+  local name=$1; shift
+  if [ -e "$ROOT/$name.pid" ] && [ ! -e "$ROOT/$name.done" ]; then
+    kill -TERM -- -"$(cat "$ROOT/$name.pid")" 2>/dev/null || true
+    for i in $(seq 60); do [ -e "$ROOT/$name.done" ] && break; sleep 1; done
+  fi
+  rm -f "$ROOT/$name.done"
+  copy_repo
+  setsid nohup bash -c "cd '$ROOT/repo' && echo \$\$ > '$ROOT/$name.pid' && $PURPOSE_ENV $* ; \
+    echo \$? > '$ROOT/$name.done'" > "$ROOT/$name.log" 2>&1 < /dev/null &
+  sleep 2
+}
+
+# up to WAIT seconds for benchmark NAME; its results ($ROOT/NAME.results.json) and logs go to
+# $RESULTS either way
+wait_bg() {
+  local name=$1 out=${RESULTS:-$ROOT/results}
   for i in $(seq "${WAIT:-540}"); do
-    [ -e "$ROOT/purpose.done" ] && break
+    [ -e "$ROOT/$name.done" ] && break
     sleep 1
   done
-  tail -40 "$ROOT/purpose.log"
+  tail -40 "$ROOT/$name.log"
   mkdir -p "$out"
-  cp "$ROOT/purpose.results.json" "$out/" 2>/dev/null || true
-  (cd "$ROOT" && tar czf "$out/logs.tar.gz" out purpose.log stage.log 2>/dev/null) || true
-  [ -e "$ROOT/purpose.done" ] && echo "purpose.py finished (exit $(cat "$ROOT/purpose.done"))" \
-    || echo "purpose.py still running"
+  cp "$ROOT/$name.results.json" "$out/" 2>/dev/null || true
+  (cd "$ROOT" && tar czf "$out/logs.tar.gz" out "$name.log" stage.log 2>/dev/null) || true
+  [ -e "$ROOT/$name.done" ] && echo "$name finished (exit $(cat "$ROOT/$name.done"))" || echo "$name still running"
 }
 
 case "$cmd" in
@@ -139,22 +157,36 @@ purpose-stage)
 purpose)
   [ -e "$ROOT/stage.log" ] || { echo "nothing staged under $ROOT: run 'device.sh purpose-stage' first" >&2; exit 3; }
   unpack_and_wait target.done 300
-  if [ -e "$ROOT/purpose.pid" ] && [ ! -e "$ROOT/purpose.done" ]; then  # a run in progress: stop it first
-    kill -TERM -- -"$(cat "$ROOT/purpose.pid")" 2>/dev/null || true
-    for i in $(seq 60); do [ -e "$ROOT/purpose.done" ] && break; sleep 1; done
-  fi
-  rm -f "$ROOT/purpose.done"
-  copy_repo
-  setsid nohup bash -c "cd '$ROOT/repo' && echo \$\$ > '$ROOT/purpose.pid' && $PURPOSE_ENV \
-    python3 benchmarks/gpu/purpose.py --root '$ROOT' --site '$SITE' --out '$ROOT/purpose.results.json' \
-      --out-dir '$ROOT/out' ${*:+$(printf '%q ' "$@")}; echo \$? > '$ROOT/purpose.done'" > "$ROOT/purpose.log" 2>&1 < /dev/null &
-  sleep 2
-  wait_purpose
+  start_bg purpose python3 benchmarks/gpu/purpose.py --root "$ROOT" --site "$SITE" --out "$ROOT/purpose.results.json" \
+    --out-dir "$ROOT/out" ${*:+$(printf '%q ' "$@")}
+  wait_bg purpose
   ;;
 purpose-wait)
-  wait_purpose
+  wait_bg purpose
+  ;;
+sweep-stage)
+  mkdir -p "$ROOT/bundle" "$SITE" "$ROOT/out"
+  cp .gpu-bundle/b2/cutlass_ir.tar.xz "$ROOT/bundle/"
+  rm -f "$ROOT"/*.done
+  copy_repo
+  setsid nohup bash -c "
+    (xz -dc '$ROOT/bundle/cutlass_ir.tar.xz' | tar x -C '$SITE' && touch '$ROOT/b2.done') &
+    cd '$ROOT/repo' && $PURPOSE_ENV python3 benchmarks/gpu/rate_sweep.py --root '$ROOT' --out /dev/null --stage-only \
+      && touch '$ROOT/model.done'
+    wait" > "$ROOT/stage.log" 2>&1 < /dev/null &
+  echo "staging the sweep's model and data in the background: $ROOT/stage.log"
+  ;;
+sweep)
+  [ -e "$ROOT/stage.log" ] || { echo "nothing staged under $ROOT: run 'device.sh sweep-stage' first" >&2; exit 3; }
+  unpack_and_wait model.done 300
+  start_bg sweep env PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/python_packages:." python3 benchmarks/gpu/rate_sweep.py \
+    --root "$ROOT" --out "$ROOT/sweep.results.json" --logs "$ROOT/out" ${*:+$(printf '%q ' "$@")}
+  wait_bg sweep
+  ;;
+sweep-wait)
+  wait_bg sweep
   ;;
 *)
-  echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND... | purpose-stage | purpose [options] | purpose-wait" >&2; exit 2
+  echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND... | purpose-stage | purpose [options] | purpose-wait | sweep-stage | sweep [rate_sweep.py options] | sweep-wait" >&2; exit 2
   ;;
 esac

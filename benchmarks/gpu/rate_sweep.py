@@ -1,0 +1,242 @@
+"""Prefill throughput with capture on vs off across the rate at which states are produced.
+
+The real SGLang (the bundle's 0.5.15) serving the Kimi-K2.5-shaped target of gpu/purpose.py
+(hidden 1024; its weights do not change the speed: the MoE routing is fixed by the model's
+biases), with purpose.py's server flags and SGLang's defaults (overlap scheduler, decode CUDA
+graphs). Each server gets a warm-up, then two timed sends with `hscap send -c 64` of texts of
+256-640 tokens: `a` (the in-flight budget fills) and `b` (the steady state, reported). The
+state rate is set by what is captured: layers x 1024 x 2 bytes a token, plus the final state
+and, with --prenorm, the pre-norm state. Servers alternate with plain ones in one run; each
+`on` is compared with the mean of the plain servers of the run.
+
+For each server the results hold the writer's closing counters (forward cost by cause, the
+wake-delay probe, raw and written bytes), the host's busy cores during the steady send, and the
+CPU seconds of each process of the server (scheduler, writer process, ...). The dump of the
+first `on` server is checked with `hscap verify --dataset --reference` before it is removed.
+
+usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME,...] [--texts N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import language  # noqa: E402
+from server import HSCAP, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
+
+HIDDEN = language.SIZES["gpu"]["hidden_size"]
+# name -> (layers or None for a plain server, prenorm, environment, dump on "shm" or "disk", load)
+SERVERS: Dict[str, tuple] = {
+    "off": (None, False, {}, "shm", "ab"),
+    "pre3": ("2,3,5", True, {}, "shm", "ab"),  # 5 states: the issue's server
+    "pre3-thread": ("2,3,5", True, {"HSCAP_WRITER": "thread"}, "shm", "ab"),  # the writer in the scheduler's process
+    "all5": ("1,2,3,4,5", False, {}, "shm", "ab"),  # 6 states
+    "one": ("3", False, {}, "shm", "ab"),  # 2 states
+    "pre5": ("1,2,3,4,5", True, {}, "shm", "ab"),  # 7 states
+    "three": ("2,3,5", False, {}, "shm", "ab"),  # 4 states
+    "pre3-thread-2": ("2,3,5", True, {"HSCAP_WRITER": "thread", "HSCAP_WRITER_THREADS": "2"}, "shm", "ab"),
+    "pre3-raw": ("2,3,5", True, {"HSCAP_CODEC": "raw"}, "shm", "ab"),
+    "pre3-disk": ("2,3,5", True, {}, "disk", "a"),
+}
+DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
+
+
+def states_per_token(layers: Optional[str], prenorm: bool) -> int:
+    return 0 if layers is None else len(layers.split(",")) + 1 + int(prenorm)
+
+
+def stage(root: str, texts: int) -> None:
+    model = os.path.join(root, "model")
+    if not os.path.exists(os.path.join(model, "target_training.json")):
+        language.train(model, 60, "gpu")  # a few steps: the speed does not depend on the weights
+    data = os.path.join(root, "data")
+    os.makedirs(data, exist_ok=True)
+    g = language.Grammar(0)
+    language.write_jsonl(os.path.join(data, "warm.jsonl"), g, "warm", 512, 256, 640, 7)
+    language.write_jsonl(os.path.join(data, "a.jsonl"), g, "a", texts // 3, 256, 640, 8)
+    language.write_jsonl(os.path.join(data, "b.jsonl"), g, "b", texts, 256, 640, 9)
+
+
+class CoreMeter:
+    """The host's busy cores over an interval, from /proc/stat."""
+
+    @staticmethod
+    def _read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    def __enter__(self):
+        self.t0, self.i0 = self._read()
+        return self
+
+    def __exit__(self, *exc):
+        t1, i1 = self._read()
+        busy = (t1 - self.t0) - (i1 - self.i0)
+        self.busy_cores = round(busy / max(1, t1 - self.t0) * (os.cpu_count() or 1), 2)
+
+
+def process_cpu(pgid: int) -> Dict[str, float]:
+    """CPU seconds of every process in the server's process group, by name (pid appended)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) != pgid:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        if "writer_process" in cmd:
+            name = "hscap-writer"
+        out[f"{name}:{pid}"] = round((int(fields[11]) + int(fields[12])) / tick, 2)
+    return out
+
+
+def rank_meta(dump: str) -> List[dict]:
+    out = []
+    for run in sorted(os.listdir(dump)) if os.path.isdir(dump) else []:
+        ranks = os.path.join(dump, run, "ranks")
+        for name in sorted(os.listdir(ranks)) if os.path.isdir(ranks) else []:
+            if name.endswith(".json"):
+                with open(os.path.join(ranks, name)) as f:
+                    out.append(json.load(f))
+    return out
+
+
+def run_server(name: str, a, work: str, data: str) -> dict:
+    layers, prenorm, extra_env, where, load = SERVERS[name]
+    port = free_port()
+    flags = ["--model-path", a.model, *a.server_flags.split(), "--trust-remote-code", "--host", "127.0.0.1",
+             "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HSCAP_")}
+    base = "/dev/shm/hscap-sweep" if where == "shm" else os.path.join(work, "disk")
+    dump = os.path.join(base, f"dump-{name}")
+    shutil.rmtree(dump, ignore_errors=True)
+    if layers is None:
+        cmd = plain_command(os.path.join(work, "unused"), flags, env)
+    else:
+        cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--", *flags]
+        env.update(extra_env)
+    log_path = os.path.join(work, f"server-{name}-{port}.log")
+    res: Dict[str, object] = {"server": name, "layers": layers, "prenorm": prenorm, "env": extra_env, "dump_on": where,
+                              "bytes_per_token": states_per_token(layers, prenorm) * HIDDEN * 2}
+    srv = Server(cmd, env, log_path, port)
+    try:
+        res["startup_s"] = round(srv.wait_healthy(), 1)
+        hscap_json("send", os.path.join(data, "warm.jsonl"), "--url", srv.url, "-c", "64")
+        for part in load:
+            with CoreMeter() as cores:
+                s = hscap_json("send", os.path.join(data, f"{part}.jsonl"), "--url", srv.url, "-c", "64")
+            res[part] = {"tokens_per_s": s.get("tokens_per_s"), "tokens": s.get("tokens"), "wall_s": s.get("wall_s"),
+                         "failed": s.get("failed"), "busy_cores": cores.busy_cores}
+        res["tokens_per_s"] = res[load[-1]]["tokens_per_s"]
+        res["states_gbps"] = round((res["tokens_per_s"] or 0) * res["bytes_per_token"] / 1e9, 3)
+        res["cpu_s"] = process_cpu(srv.proc.pid)
+    finally:
+        res["stop_s"] = round(srv.stop(), 1)
+        res["hs_dump_lines"] = [x[-600:] for x in srv.log().splitlines() if "[HS_DUMP]" in x][-8:]
+        shutil.copy(log_path, os.path.join(a.logs, f"server-{name}.log"))
+    metas = rank_meta(dump)
+    if metas:
+        m = metas[0]
+        res["writer"] = {k: m["stats"].get(k) for k in ("writer", "writer_threads", "steps_written", "steps_written_raw",
+                                                         "steps_dropped", "steps_failed", "raw_bytes", "file_bytes",
+                                                         "forward_cost", "lock_probe", "forward_waited_s",
+                                                         "held_by_budget_s", "held_by_pinned_s", "pinned_bytes",
+                                                         "inflight_budget_bytes", "peak_inflight_bytes")}
+        res["writer"]["status"], res["writer"]["disk_bound"] = m.get("status"), m.get("disk_bound")
+    if layers is not None and a.verify == name:
+        res["verify"] = verify(dump, a, work, data)
+    shutil.rmtree(dump, ignore_errors=True)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("hs_dump_lines", "cpu_s")}), flush=True)
+    return res
+
+
+def verify(dump: str, a, work: str, data: str) -> dict:
+    sent = os.path.join(work, "sent.jsonl")
+    with open(sent, "w") as f:
+        for part in ("warm", "a", "b"):
+            for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
+                f.write(json.dumps(row) + "\n")
+    t0 = time.monotonic()
+    doc = hscap_json("verify", dump, "--dataset", sent, "-j", "16", "--reference",
+                     os.path.join(a.model, "text_model"), "--reference-samples", "8", "--reference-device", "cuda",
+                     "--max-findings", "5")
+    st = doc.get("stats", {})
+    return {"ok": doc.get("ok"), "verify_s": round(time.monotonic() - t0, 1),
+            "samples_complete": st.get("samples_complete"), "samples_incomplete": st.get("samples_incomplete"),
+            "findings": [f.get("message", "")[:300] for f in doc.get("findings", [])][:6],
+            "reference_states": st.get("reference_states")}
+
+
+def summarize(res: dict) -> None:
+    offs = [s["tokens_per_s"] for s in res["servers"] if s["server"] == "off" and s.get("tokens_per_s")]
+    if not offs:
+        return
+    off = sum(offs) / len(offs)
+    res["off_tokens_per_s"] = [round(x) for x in offs]
+    res["summary"] = [{"server": s["server"], "states_gbps": s.get("states_gbps"),
+                       "on_over_off": round(s["tokens_per_s"] / off, 4), "dump_on": s["dump_on"],
+                       "writer": (s.get("writer") or {}).get("writer"),
+                       "held_s": ((s.get("writer") or {}).get("forward_cost") or {}).get("held_s"),
+                       "wake_delay_p99_ms": ((s.get("writer") or {}).get("lock_probe") or {}).get("wake_delay_p99_ms")}
+                      for s in res["servers"] if s["server"] != "off" and s.get("tokens_per_s")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--logs", help="where the server logs go (default: beside --out)")
+    ap.add_argument("--servers", default=DEFAULT)
+    ap.add_argument("--texts", type=int, default=6000, help="texts of the steady send (b); a has a third")
+    ap.add_argument("--verify", default="pre3", help="the server whose dump verify checks")
+    ap.add_argument("--stage-only", action="store_true")
+    ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
+    a = ap.parse_args()
+    stage(a.root, a.texts)
+    if a.stage_only:
+        return
+    a.model = os.path.join(a.root, "model")
+    a.logs = a.logs or os.path.dirname(os.path.abspath(a.out))
+    work = os.path.join(a.root, "sweep")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    os.makedirs(a.logs, exist_ok=True)
+    import torch
+
+    res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(0),
+           "cpu_cores": os.cpu_count(), "servers": [], "texts": a.texts, "note": __doc__.split("\n\n")[1]}
+    for name in a.servers.split(","):
+        try:
+            r = run_server(name, a, work, os.path.join(a.root, "data"))
+        except Exception as e:
+            r = {"server": name, "error": f"{type(e).__name__}: {str(e)[-2000:]}"}
+            print(r["error"], flush=True)
+        res["servers"].append(r)
+        summarize(res)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res.get("summary"), indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
