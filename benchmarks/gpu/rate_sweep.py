@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", help="where the server logs go (default: beside --out)")
     ap.add_argument("--servers", default=DEFAULT)
-    ap.add_argument("--texts", type=int, default=6000, help="texts of the steady send (b); a has a third")
+    ap.add_argument("--texts", type=int, default=4500, help="texts of the steady send (b); a has a third")
     ap.add_argument("--verify", default="pre3", help="the server whose dump verify checks")
     ap.add_argument("--stage-only", action="store_true")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
