@@ -64,7 +64,6 @@ def test_every_step_is_written_as_submitted_and_the_costs_are_recorded(tmp_path)
     assert meta["status"] == "closed" and meta["stats"]["steps_written"] == 12 and w.stats["steps_written"] == 12
     cost = meta["stats"]["forward_cost"]
     assert cost["steps"] == 12 and cost["staging_s"] > 0 and meta["stats"]["writer"] == "process"
-    assert meta["stats"]["lock_probe"]["wake_delay_p99_ms"] >= 0
     assert w._sink._proc.returncode == 0  # the child ended with the close
 
 
@@ -176,4 +175,4 @@ def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
     assert cost["staging_s"] >= 5 * 4 * 0.02 and cost["held_s"] >= cost["staging_s"]  # 4 tensors a step
     assert cost["budget_wait_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["steps"] == 5
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
-    assert f"staging copies {cost['staging_s']:.3f} s" in line and "forwards held" in line and "woke" in line
+    assert f"staging copies {cost['staging_s']:.3f} s" in line and "forwards held" in line

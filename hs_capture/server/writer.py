@@ -23,7 +23,7 @@ from hs_capture.server.backlog import Backlog
 from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
-from hs_capture.server.forward_cost import ForwardCost, LockProbe
+from hs_capture.server.forward_cost import ForwardCost
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
@@ -89,7 +89,8 @@ class ShardWriter:
         self.run_dir = cfg.run_dir
         self.run_meta = replace(run_meta)
         self._step_sizes = list(step_sizes)
-        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
+        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier,
+                              cfg.copy_chunk_bytes)
         self._backlog = Backlog(cfg.max_inflight_bytes)
         self._record = RunRecord(cfg, rank)
         if cfg.writer == "process":
@@ -98,7 +99,6 @@ class ShardWriter:
         else:
             self._sink = ThreadSink(cfg, rank, self._record, cfg.max_inflight_bytes)
         self.cost = ForwardCost()
-        self._probe = LockProbe()
         self._disk_bound_said = False
         self._closed = False
         self._next_step = 0
@@ -123,14 +123,12 @@ class ShardWriter:
     def start(self) -> None:
         self._record.open()
         self._sink.start(self.run_meta)
-        self._probe.start()
 
     def close(self, timeout: float = 600.0) -> bool:
         """Drain every queued step, then record the run as closed. True if all finished."""
         if self._closed:
             return True
         self._closed = True
-        self._probe.stop()
         done = self._sink.close(timeout, self.forward_stats())
         self._stager.pool.trim()
         return done
@@ -213,7 +211,7 @@ class ShardWriter:
                 "peak_inflight_bytes": self._backlog.budget.peak,
                 "inflight_budget_bytes": self._backlog.budget.limit,
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer,
-                "forward_cost": self.cost.report(), "lock_probe": self._probe.report(),
+                "forward_cost": self.cost.report(), "copy_chunk_bytes": self.cfg.copy_chunk_bytes,
                 "disk_bound": self.run_meta.disk_bound}
 
     def _say_disk_bound(self) -> None:
