@@ -176,7 +176,10 @@ class _Writer:
     stopped = None  # ShardWriter.stopped: set when a full disk stops capture
 
     def __init__(self):
+        from hs_capture.server.forward_cost import ForwardCost
+
         self.steps = []
+        self.cost = ForwardCost()
 
     def submit(self, meta, tensors, aux_layers):
         self.steps.append((meta, {k: v.clone() for k, v in tensors.items()}, aux_layers))

@@ -46,7 +46,6 @@ SERVERS: Dict[str, tuple] = {
     "three": ("2,3,5", False, {}, "shm", "ab"),  # 4 states
     "pre3-thread-2": ("2,3,5", True, {"HSCAP_WRITER": "thread", "HSCAP_WRITER_THREADS": "2"}, "shm", "ab"),
     "pre3-raw": ("2,3,5", True, {"HSCAP_CODEC": "raw"}, "shm", "ab"),
-    "pre3-whole": ("2,3,5", True, {"HSCAP_COPY_CHUNK_MB": "0"}, "shm", "ab"),  # copies not cut into chunks
     "pre3-disk": ("2,3,5", True, {}, "disk", "a"),
 }
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
@@ -160,7 +159,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
         m = metas[0]
         res["writer"] = {k: m["stats"].get(k) for k in ("writer", "writer_threads", "steps_written", "steps_written_raw",
                                                          "steps_dropped", "steps_failed", "raw_bytes", "file_bytes",
-                                                         "forward_cost", "copy_chunk_bytes", "forward_waited_s",
+                                                         "forward_cost", "forward_waited_s",
                                                          "held_by_budget_s", "held_by_pinned_s", "pinned_bytes",
                                                          "inflight_budget_bytes", "peak_inflight_bytes")}
         res["writer"]["status"], res["writer"]["disk_bound"] = m.get("status"), m.get("disk_bound")

@@ -36,7 +36,6 @@ class CaptureConfig:
     # where the writing runs: a process of the rank's own (its threads off the scheduler's
     # interpreter lock), or threads of the server's process
     writer: str = "process"
-    copy_chunk_bytes: int = 16 << 20  # device-to-host copies in chunks of this (0: whole tensors)
     # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
     # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
     # always compresses
@@ -188,7 +187,6 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 0, 0, 1 << 20) << 20,
         on_full=on_full,
         writer=writer,
-        copy_chunk_bytes=_int(env, "HSCAP_COPY_CHUNK_MB", 16, 0, 1 << 16) << 20,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),

@@ -219,16 +219,12 @@ class AsyncCopier(Protocol):
 
 
 class CudaSideStream:
-    """The copy on one side stream that waits for the forward's stream at submit, cut into
-    chunks of `chunk_bytes` (0: whole tensors). A step's copies are tens of MB; SGLang's own
-    small device-to-host copies (the sampled tokens it waits for every step) share the copy
-    engine, and would otherwise queue behind a whole one (benchmarks/gpu/rate_sweep.py)."""
+    """The copy on one side stream that waits for the forward's stream at submit."""
 
     pin_memory = True
 
-    def __init__(self, chunk_bytes: int = 0) -> None:
+    def __init__(self) -> None:
         self._stream = torch.cuda.Stream()
-        self._chunk = chunk_bytes
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()  # on the current (forward) stream: ordered before the next batch's refill
@@ -240,13 +236,7 @@ class CudaSideStream:
         with torch.cuda.stream(self._stream):
             if not t.is_contiguous():
                 t = t.contiguous()  # rare (a strided view): one device copy, on the side stream
-            n = t.numel() * t.element_size()
-            if not self._chunk or n <= self._chunk:
-                host.copy_(t, non_blocking=True)
-            else:
-                dst, src = host.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
-                for a in range(0, n, self._chunk):
-                    dst[a:a + self._chunk].copy_(src[a:a + self._chunk], non_blocking=True)
+            host.copy_(t, non_blocking=True)
             # Keep the caching allocator from handing this memory to the next step before
             # our copy has read it (tensors the forward allocated, and our own clones).
             t.record_stream(self._stream)
@@ -283,13 +273,12 @@ def may_be_refilled(t: torch.Tensor) -> bool:
 
 class Stager:
     def __init__(self, expected_rows: int = 0, budget_bytes: int = 4 << 30, prewarm_steps: int = 0,
-                 copier: Optional[AsyncCopier] = None, copy_chunk_bytes: int = 0) -> None:
+                 copier: Optional[AsyncCopier] = None) -> None:
         """prewarm_steps: full-size steps to pin ahead; 0 = as many as the in-flight budget holds,
         so that in steady state no forward ever pins (past the budget the writer blocks it).
         copier: how device tensors are copied (default: a CUDA side stream for CUDA tensors, made
         on first use, a plain copy for CPU tensors)."""
         self._copier = copier
-        self._chunk = copy_chunk_bytes
         pin = copier.pin_memory if copier is not None else torch.cuda.is_available()
         self._pool = PinnedPool(pin=pin, cap=budget_bytes)
         self._expected_rows = expected_rows
@@ -332,7 +321,7 @@ class Stager:
         if self._copier is not None:
             return self._copier
         if any(t.is_cuda for t in tensors.values()):
-            self._copier = CudaSideStream(self._chunk)
+            self._copier = CudaSideStream()
             return self._copier
         return _CPU_COPY
 

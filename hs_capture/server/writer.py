@@ -89,8 +89,7 @@ class ShardWriter:
         self.run_dir = cfg.run_dir
         self.run_meta = replace(run_meta)
         self._step_sizes = list(step_sizes)
-        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier,
-                              cfg.copy_chunk_bytes)
+        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
         self._backlog = Backlog(cfg.max_inflight_bytes)
         self._record = RunRecord(cfg, rank)
         if cfg.writer == "process":
@@ -211,7 +210,7 @@ class ShardWriter:
                 "peak_inflight_bytes": self._backlog.budget.peak,
                 "inflight_budget_bytes": self._backlog.budget.limit,
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer,
-                "forward_cost": self.cost.report(), "copy_chunk_bytes": self.cfg.copy_chunk_bytes,
+                "forward_cost": self.cost.report(),
                 "disk_bound": self.run_meta.disk_bound}
 
     def _say_disk_bound(self) -> None:
