@@ -130,3 +130,34 @@ def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_cap
     assert set(again) <= warned
     code, doc = verify(str(tmp_path / "out"), "--dataset", data, "--reference", sent_twice["model"])
     assert code == 0, errors(doc)
+
+
+def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(served_dump, tmp_path):
+    """A deleted and a truncated step file: the samples they hold are not whole for any tool, so
+    a resume re-sends them (it skipped them), merge and DumpDataset leave them out, verify fails."""
+    from hs_capture.offline.dump_dataset import DumpDataset
+    from hs_capture.offline.reader import DumpError
+
+    dump = str(tmp_path / "dump")
+    shutil.copytree(served_dump["dir"], dump)
+    (run,) = open_runs(dump)
+    tag = next(iter(run.ranks))
+    lines = [x for x in run.index(tag) if x.written and x.rids() and not any(
+        r.startswith("HEALTH_CHECK_") for r in x.rids())]
+    deleted, truncated = lines[1], lines[-2]
+    os.remove(os.path.join(run.path, deleted.files["L03"].path))
+    path = os.path.join(run.path, truncated.files["final"].path)
+    os.truncate(path, os.path.getsize(path) - 100)
+    hit = set(deleted.rids()) | set(truncated.rids())
+    rows, data = served_dump["rows"], served_dump["data"]
+    assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows) - len(hit)
+    summary, report = merged_ids(dump, data, tmp_path / "out")
+    assert summary["written"] == len(rows) - len(hit) and set(report["incomplete"]) == hit
+    assert any("L03 file is missing" in why for why in report["incomplete"].values())
+    assert any("not the" in why and "its index line says" in why for why in report["incomplete"].values())
+    ds = DumpDataset(dump, data)
+    assert len(ds) == len(rows) - len(hit) and set(ds.incomplete) == hit
+    code, doc = verify(dump, "--dataset", data)
+    assert code == 1 and doc["stats"]["samples_complete"] == len(rows) - len(hit)
+    with pytest.raises(DumpError, match="no such directory"):
+        DumpDataset(str(tmp_path / "missing"))

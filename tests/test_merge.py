@@ -401,7 +401,8 @@ def test_merge_refuses_an_output_dir_holding_other_files_and_never_writes_into_a
     (out / "sub" / "other-run.ckpt").write_text("a stranger SpecForge's glob would train on")
     for extra in ([], ["--overwrite"]):
         res = _merge(dump["dir"], "-o", str(out), "--format", "specforge", *extra)
-        assert res.exit_code == 1 and "files merge did not write" in res.output and "Traceback" not in res.output
+        assert res.exit_code == 1 and "holds 2 files and 1 directory merge did not write" in res.output
+        assert "Traceback" not in res.output
         assert sorted(os.listdir(out)) == ["notes.txt", "sub"] and (out / "notes.txt").read_text() == "mine"
     # into the dump itself, or a directory inside it: refused, nothing written there
     copy = tmp_path / "dump"
@@ -414,6 +415,42 @@ def test_merge_refuses_an_output_dir_holding_other_files_and_never_writes_into_a
     assert sorted(os.path.relpath(os.path.join(r, n), copy) for r, _, ns in os.walk(copy) for n in ns) == before
     res = _merge(str(copy / run), "-o", str(tmp_path), "--format", "modelopt")  # the dump inside OUT
     assert res.exit_code == 1 and "is inside" in res.output
+
+
+def test_files_named_as_merge_names_them_are_not_merges_unless_it_recorded_writing_them(dump, tmp_path):
+    # a user's own SpecForge data (SpecForge's capture script names files data_N.ckpt, as merge
+    # does) and another .ckpt: refused, with or without --overwrite, and both left as they were
+    out = tmp_path / "users"
+    out.mkdir()
+    (out / "data_0.ckpt").write_bytes(b"the user's own sample")
+    (out / "foreign.ckpt").write_bytes(b"another")
+    for extra in ([], ["--overwrite"]):
+        res = _merge(dump["dir"], "-o", str(out), "--format", "specforge", *extra)
+        assert res.exit_code == 1 and "holds 2 files merge did not write" in res.output, res.output
+        assert sorted(os.listdir(out)) == ["data_0.ckpt", "foreign.ckpt"]
+        assert (out / "data_0.ckpt").read_bytes() == b"the user's own sample"
+    # merge's own output, then a file of the user's put beside it: --overwrite still refuses
+    own = str(tmp_path / "own")
+    run_merge(dump["dir"], "-o", own, "--format", "specforge")
+    with open(os.path.join(own, "data_0.ckpt.user"), "wb") as f:
+        f.write(b"x")
+    res = _merge(dump["dir"], "-o", own, "--format", "modelopt", "--overwrite")
+    assert res.exit_code == 1 and "1 file merge did not write" in res.output and "data_0.ckpt.user" in res.output
+    assert os.path.exists(os.path.join(own, "data_0.ckpt.user"))
+
+
+def test_a_rerun_over_finished_output_keeps_the_record_of_what_the_directory_holds(dump, tmp_path):
+    out = str(tmp_path / "o")
+    first = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    before = json.load(open(os.path.join(out, "merge_report.json")))
+    settings = json.load(open(os.path.join(out, "trainer_settings.json")))
+    again = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    assert again["written"] == 0 and again["skipped_existing"] == first["written"]
+    after = json.load(open(os.path.join(out, "merge_report.json")))
+    for key in ("written", "tokens", "raw_bytes", "bytes_out", "warnings", "incomplete", "dtypes"):
+        assert after[key] == before[key], key
+    assert after["written"] == first["written"] > 0 and after["tokens"] > 0
+    assert json.load(open(os.path.join(out, "trainer_settings.json")))["warnings"] == settings["warnings"]
 
 
 def test_merge_resumes_its_own_format_and_replaces_another_only_with_overwrite(dump, tmp_path):

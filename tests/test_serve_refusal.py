@@ -65,6 +65,18 @@ def test_hscap_serve_refuses_a_bad_layer_set_before_sglang_starts(tiny_model, ti
     assert not dump.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("where, message", [("missing", "no such directory"), ("empty", "holds no config.json")])
+def test_hscap_serve_refuses_a_local_model_path_that_holds_no_model_in_one_line(tmp_path, where, message):
+    model = tmp_path / where
+    if where == "empty":
+        model.mkdir()
+    dump = tmp_path / "dump"
+    rc, out, took = _run([LAUNCHER, "-d", str(dump), "--", *_server_flags(str(model))], server_env(None, hook=False))
+    assert rc == 1 and out.splitlines() == [out.strip()], out[-3000:]
+    assert out.startswith(f"hscap serve: --model-path {model}: {message}") and took < 30
+    assert not dump.exists()
+
+
 def test_hscap_serve_leaves_an_existing_dump_dir_as_it_was(tiny_model, tmp_path):
     dump = tmp_path / "dump"
     (dump / "run-earlier" / "ranks").mkdir(parents=True)

@@ -299,6 +299,19 @@ def test_every_merge_format_passes_with_reference(merged, served_dump, tiny_mode
     assert doc["stats"]["reference_samples"] == 3 and doc["stats"]["reference_max_abs_diff"] <= 1e-4
 
 
+@pytest.mark.parametrize("name", ["specforge", "modelopt", "speculators", "hscap"])
+def test_merged_output_checked_against_an_unrelated_dataset_fails(merged, served_dump, tmp_path, name):
+    other = tmp_path / "other.jsonl"
+    with open(served_dump["data"]) as f, open(other, "w") as g:
+        for line in f:
+            row = json.loads(line)
+            g.write(json.dumps({**row, "id": "other-" + str(row["id"])}) + "\n")
+    code, doc = verify(merged[name], "--dataset", str(other))
+    assert code == 1
+    missing = [f for f in errors(doc, "coverage") if "missing from the merged output" in f["message"]]
+    assert len(missing) == len(served_dump["rows"])  # every id of the dataset, none of them whole here
+
+
 def test_merged_faults_are_caught(merged, served_dump, tmp_path):
     sf = tmp_path / "sf"
     shutil.copytree(merged["specforge"], sf)

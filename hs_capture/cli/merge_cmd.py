@@ -58,6 +58,11 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
         res = merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb << 20, on_progress, overwrite)
     except (MergeError, DumpError) as e:
         raise click.ClickException(str(e))
+    except KeyboardInterrupt:
+        progress.close()
+        click.echo(f"hscap merge: interrupted: the files finished so far are kept in {out_dir} (each written whole); "
+                   "the same command resumes", err=True)
+        raise SystemExit(130)
     # the last result may have come within the redraw interval: the line ends on the final count
     on_progress(res, res.written + res.skipped_existing, force=True)
     progress.close()

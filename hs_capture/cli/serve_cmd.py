@@ -100,6 +100,7 @@ def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
         return
     # load() wants the run id the hook fixes at start; any name checks the rest
     cfg = config.load({**env, "HSCAP_RUN_ID": env.get("HSCAP_RUN_ID") or "check"})
+    config.check_model_path(flag_value(sglang_args, "--model-path"))
     config.check_checkpoint_layers(env, flag_value(sglang_args, "--model-path"),
                                    flag_value(sglang_args, "--json-model-override-args"))
     # last: its probe file touches the dir's mtime, which a refused layer set leaves alone

@@ -25,7 +25,7 @@ from hs_capture.offline.formats import FORMATS, NAMES, Output, TrainingFormat
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
 from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK
 from hs_capture.offline.merge_result import Item, MergeResult
-from hs_capture.offline.output_dir import SETTINGS, OutputDirError, prepare
+from hs_capture.offline.output_dir import REPORTS, SETTINGS, OutputDirError, prepare, record
 from hs_capture.offline.planning import Plan, plan
 from hs_capture.dump.layer_ids import ServedIds, family_of, served_ids
 
@@ -138,6 +138,7 @@ def merge(dump_dirs: Sequence[str], out_dir: str, fmt_name: str, dataset: Option
     total.unattributed = [rid for rid in unattributed(p.samples) if rid in in_shard] if ds is None else []
     mine = _step_order(p, [(row, rid) for row, rid in rows if rid in p.samples])
     outputs = training_format.plan_outputs(mine, shard, partial(_cut, p))
+    record(out_dir, [out.path for out in outputs] + list(REPORTS) + list(training_format.listings))
     # each worker's cache holds at least the steps one sample crosses (a few full steps)
     per_job = max(cache_bytes // max(1, jobs), 2 * _step_raw_bytes(p))
     _execute(_tasks(p, outputs, jobs), (p, out_dir, fmt_name, ds, per_job, jobs), jobs, total, len(mine), on_progress)
@@ -217,21 +218,41 @@ def _execute(tasks: List[List[Output]], init: tuple, jobs: int, total: MergeResu
         collect(pool.map(_run, tasks))
 
 
+def _earlier_report(out_dir: str, fmt: str) -> dict:
+    """The report an earlier run in this format left here (a resume, another --shard), or {}."""
+    try:
+        with open(os.path.join(out_dir, REPORT)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("format") == fmt else {}
+
+
 def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format: TrainingFormat,
                    ds: Optional[Inputs], served: Optional[ServedIds]) -> None:
     """merge_report.json (what verify --reference needs to map aux blocks back to layers), and
-    the trainer's settings that match the capture."""
+    the trainer's settings that match the capture. Both say what the directory holds: an
+    earlier run's counts and warnings are kept, this run's added (a re-run over finished output
+    writes nothing new and must not erase the record)."""
+    earlier = _earlier_report(out_dir, training_format.name)
     real_mask = ds is not None and any(m is not None for m in ds.masks.values())
     settings = training_format.settings(served.ids, real_mask) if served is not None else None
+    warnings = list(dict.fromkeys([*(earlier.get("warnings") or []), *total.warnings]))
     if settings is not None:
         total.settings = settings
         total.serving = served.as_dict()
         note = served.note()
-        if note:
+        if note and note not in warnings:
+            warnings.append(note)
             total.warnings.append(note)
         doc = {"format": training_format.name, "captured_layers_entering": p.layers, "settings": total.settings,
-               "served_by": total.serving, "warnings": total.warnings}
+               "served_by": total.serving, "warnings": warnings}
         atomic_write(os.path.join(out_dir, SETTINGS), [json.dumps(doc, indent=1).encode()], fsync=False)
     report = asdict(total)
-    report.update(layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
+    for key in ("written", "tokens", "raw_bytes", "bytes_out"):
+        report[key] += int(earlier.get(key) or 0)
+    whole_now = {rid: why for rid, why in (earlier.get("incomplete") or {}).items() if rid not in p.samples}
+    report["incomplete"] = {**whole_now, **total.incomplete}
+    report["dtypes"] = sorted(set(earlier.get("dtypes") or []) | set(total.dtypes))
+    report.update(warnings=warnings, layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
     atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)

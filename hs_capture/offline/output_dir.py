@@ -2,19 +2,24 @@
 in the same format (a resumed merge, or `--shard i/N` merges sharing one directory). Never a
 dump, never inside one, and never beside files merge did not write: a trainer that reads
 every file of its kind under the directory (SpecForge globs `**/*.ckpt`) would train on them,
-and verify would report them as duplicates."""
+and verify would report them as duplicates.
+
+What merge wrote is what it recorded writing: every path goes into the directory's manifest
+(MANIFEST, one a line) before the file is written. A file's name never makes it merge's: a
+user's `data_0.ckpt` is SpecForge's own name too. `--overwrite` removes only recorded paths."""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Sequence
+from typing import Dict, Iterable, List, Sequence, Set
 
 from hs_capture.offline.formats import FORMATS, TrainingFormat
 from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK, holds_dump
 
 SETTINGS = "trainer_settings.json"  # the trainer's settings that match the capture (merge writes it)
 REPORTS = (MERGE_REPORT, SETTINGS)  # what every merge writes beside its samples
+MANIFEST = ".hscap-merge-files"  # every path merge wrote in the directory, recorded before it is written
 
 
 class OutputDirError(Exception):
@@ -46,13 +51,50 @@ def _reported_format(out_dir: str) -> str:
     return ""
 
 
-def _owner(rel: str) -> str:
-    """The format that writes this path; '' for what every merge writes (its reports, the
-    temp files a killed merge leaves); '?' for a path merge never writes."""
+def recorded(out_dir: str) -> Set[str]:
+    """The paths merge recorded writing in out_dir (none without a manifest)."""
+    try:
+        with open(os.path.join(out_dir, MANIFEST), encoding="utf-8") as f:
+            return {line.rstrip("\n") for line in f if line.strip()}
+    except OSError:
+        return set()
+
+
+def record(out_dir: str, rels: Iterable[str]) -> None:
+    """Add paths to out_dir's manifest before they are written (one append, whole lines)."""
+    new = sorted(set(rels) - recorded(out_dir))
+    if not new:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    fd = os.open(os.path.join(out_dir, MANIFEST), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, "".join(rel + "\n" for rel in new).encode())
+    finally:
+        os.close(fd)
+
+
+def _owner(rel: str, mine: Set[str]) -> str:
+    """The format of a path merge recorded writing ('' for its reports and manifest, the temp
+    files a killed merge leaves, and the directories that hold them); '?' for any other path."""
     parent, _, name = rel.rpartition("/")
-    if rel in REPORTS or (TEMP_MARK in name and (not parent or any(f.owns(parent) for f in FORMATS.values()))):
+    if rel == MANIFEST or (mine and rel in REPORTS):
         return ""
-    return next((f.name for f in FORMATS.values() if f.owns(rel)), "?")
+    if rel in mine:
+        return next((f.name for f in FORMATS.values() if f.owns(rel)), "")
+    if TEMP_MARK in name and name.startswith("."):  # temp_name(): ".<name>.tmp-<pid>"
+        final = name[1:name.index(TEMP_MARK)]
+        if (f"{parent}/{final}" if parent else final) in mine:
+            return ""
+    if any(m.startswith(rel + "/") for m in mine):
+        return ""  # a directory merge made for its files
+    return "?"
+
+
+def _counted(out_dir: str, rels: List[str]) -> str:
+    files = sum(not os.path.isdir(os.path.join(out_dir, r)) for r in rels)
+    dirs = len(rels) - files
+    parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((files, "file"), (dirs, "directory")) if n]
+    return " and ".join(parts).replace("directorys", "directories")
 
 
 def prepare(out_dir: str, dump_dirs: Sequence[str], training_format: TrainingFormat, overwrite: bool) -> None:
@@ -75,11 +117,13 @@ def prepare(out_dir: str, dump_dirs: Sequence[str], training_format: TrainingFor
     if holds_dump(out_dir):
         raise OutputDirError(f"{out_dir} holds an hs_capture dump: merge into a directory of its own")
     owners: Dict[str, List[str]] = {}
+    mine = recorded(out_dir)
     for rel in _entries(out_dir):
-        owners.setdefault(_owner(rel), []).append(rel)
+        owners.setdefault(_owner(rel, mine), []).append(rel)
     foreign = owners.pop("?", [])
     if foreign:
-        raise OutputDirError(f"{out_dir} holds {len(foreign)} files merge did not write (e.g. {foreign[0]!r}): "
+        top = [r for r in foreign if "/" not in r or r.rpartition("/")[0] not in foreign]
+        raise OutputDirError(f"{out_dir} holds {_counted(out_dir, foreign)} merge did not write (e.g. {top[0]!r}): "
                              "merge into a new or empty directory (a trainer reading it would take them as samples)")
     earlier = _reported_format(out_dir)
     others = sorted({name for name in owners if name and name != training_format.name}

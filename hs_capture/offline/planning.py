@@ -65,6 +65,8 @@ class Captured:
         allow_empty: a dir with no run yet holds nothing (send's first run), not an error."""
         runs: List[Run] = []
         for d in dump_dirs:
+            if not allow_empty and not os.path.isdir(d):
+                raise DumpError(f"{d}: {'not a directory' if os.path.exists(d) else 'no such directory'}")
             found = open_runs(d, errors=None if strict else []) if os.path.isdir(d) or not allow_empty else []
             if not found and not allow_empty:
                 raise DumpError(f"{d}: no hs_capture run found")
@@ -77,6 +79,9 @@ class Captured:
         # across dump dirs (one per node) is still one run; the same step seen twice counts once.
         self.pieces: Dict[str, Dict[Tuple[str, str, int], Piece]] = {}
         self.dropped: Dict[str, int] = {}  # rid -> a dropped step that held part of it
+        # (run, rank, step) -> what is wrong with a file the index line lists: a missing or
+        # truncated file makes its part absent, for every tool that judges by this class
+        self.damage: Dict[Tuple[int, str, int], str] = {}
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
@@ -85,7 +90,7 @@ class Captured:
                             if s.rid is not None:
                                 self.dropped.setdefault(s.rid, line.step)
                         continue
-                    files = tuple(sorted((part, f.path) for part, f in line.files.items()))
+                    files = self._intact(i, run, tag, line)
                     for s in line.seqs:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
@@ -93,6 +98,22 @@ class Captured:
                         piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix)
                         self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
                                                                    piece)
+
+    def _intact(self, i: int, run: Run, tag: str, line) -> Tuple[Tuple[str, str], ...]:
+        """The step's (part, path) whose file is there with the size its index line says (a
+        stat each, no read); the first file that is not is noted in `damage`."""
+        out = []
+        for part, f in sorted(line.files.items()):
+            try:
+                size = os.stat(os.path.join(run.path, f.path)).st_size
+            except OSError:
+                size = None
+            if size == f.bytes:
+                out.append((part, f.path))
+            else:
+                self.damage.setdefault((i, tag, line.step), f"its {part} file is " + (
+                    "missing" if size is None else f"{size} bytes, not the {f.bytes} its index line says"))
+        return tuple(out)
 
     def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
         """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
@@ -107,8 +128,12 @@ class Captured:
             return [s.ref for s in j.chain], None, [s.ref for s in j.extras]
         broken = [p for p in pieces if p not in usable]
         if broken:  # the true cause of the hole: a step that lacks a part
-            lacking = sorted(set(self.parts) - {x for x, _ in broken[0].files})
-            return None, f"step {broken[0].step} of {broken[0].rank} lacks {', '.join(lacking)}", []
+            b = broken[0]
+            damage = self.damage.get((b.run, b.rank, b.step))
+            if damage:
+                return None, f"step {b.step} of {b.rank}: {damage}", []
+            lacking = sorted(set(self.parts) - {x for x, _ in b.files})
+            return None, f"step {b.step} of {b.rank} lacks {', '.join(lacking)}", []
         return None, j.reason, []
 
 

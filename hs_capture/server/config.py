@@ -280,6 +280,18 @@ def checkpoint_num_layers(model_path: str) -> Optional[int]:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
+def check_model_path(model_path: Optional[str]) -> None:
+    """A local checkpoint path (absolute, or starting with . or ~; a hub id never does) that
+    is not a directory holding a config.json: ConfigError, before SGLang starts."""
+    if not model_path or not model_path.startswith(("/", ".", "~")):
+        return
+    path = os.path.expanduser(model_path)
+    if not os.path.isdir(path):
+        raise ConfigError(f"--model-path {model_path}: {'not a directory' if os.path.exists(path) else 'no such directory'}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"--model-path {model_path}: holds no config.json (not a model checkpoint)")
+
+
 def check_checkpoint_layers(env: Mapping[str, str], model_path: Optional[str],
                             model_override_args: Optional[str] = None) -> Optional[List[int]]:
     """The layers HSCAP_LAYERS (or the default) asks of the checkpoint at `model_path`, by

@@ -62,6 +62,7 @@ class TrainingFormat(ABC):
     what: str  # one line, for --help and errors
     pattern: str  # how its files look, for verify's "nothing found" line
     data_dir: str = ""  # where merge writes the outputs (relative to the output dir); temp files go there
+    listings: Tuple[str, ...] = ()  # the files finish() writes beside the outputs (relative to the output dir)
     needs_prenorm: bool = False
     aux_layers: Optional[int] = None  # exactly this many captured layers, or any
     # the engine that serves this trainer's drafters ("sglang" or "vllm"): it decides which
@@ -74,7 +75,8 @@ class TrainingFormat(ABC):
     def problem(self, prenorm: bool, layers: Sequence[int]) -> Optional[str]:
         """Why a dump with these settings cannot be written in this format, or None."""
         if self.needs_prenorm and not prenorm:
-            return f"{self.name} needs the pre-norm final state: capture with HSCAP_PRENORM=1"
+            return (f"{self.name} needs the pre-norm final state: capture with `hscap serve --prenorm` "
+                    "(HSCAP_PRENORM=1 on a server started without hscap serve)")
         if self.aux_layers is not None and len(layers) != self.aux_layers:
             return f"{self.name} takes exactly {self.aux_layers} aux layers; the dump has {list(layers)}"
         return None

@@ -130,6 +130,7 @@ class Native(TrainingFormat):
     what = "hs_capture's packed .hst shards + index.json (HsCaptureDataset reads it)"
     pattern = NATIVE_INDEX
     data_dir = SHARD_DIR
+    listings = (NATIVE_INDEX,)
 
     def plan_outputs(self, rows: Sequence[Row], shard: Tuple[int, int], cut: Cut) -> List[Output]:
         # shards are cut from the step order by size alone (never by -j): a re-run with any -j

@@ -102,7 +102,9 @@ def check_item(item: Item, report: Report, dataset: Optional[Dict[str, List[int]
     if problems:
         return None
     _check_values(s, item.path, report)
-    if dataset is not None and rid is not None and rid in dataset:
+    if dataset is not None and rid is not None and rid not in dataset:
+        report.add("tokens", "not in the dataset (checked against another dataset?)", path=item.path, rid=rid)
+    elif dataset is not None and rid is not None:
         report.looked("tokens")
         want, have = dataset[rid], s.input_ids.tolist()
         k = first_mismatch(have, want)
@@ -193,4 +195,9 @@ def verify_merged(paths: Sequence[str], report: Report, dataset: Optional[Dict[s
     seen: Dict[str, str] = {}
     for _ in bounded_map(lambda it: check_item(it, report, dataset, headers, seen), todo, jobs, progress):
         pass
+    if dataset is not None and unknown and len(todo) == len(items):
+        # samples named by row carry their id inside: every one was read, so the ids are known now
+        for rid in (order or sorted(dataset)):
+            if rid not in seen and rid not in incomplete:
+                report.add("coverage", "missing from the merged output", rid=rid)
     return items

@@ -113,8 +113,9 @@ def _check_part(step: Step, part: str, f: FileRef, report: _Marking) -> Optional
                 report.looked("checksum")
                 try:
                     raw = fmt.read_tensor_bytes(fh, header, name)
-                except fmt.FormatError as err:
-                    report.add("checksum", f"{name}: {err}", path=where)
+                except fmt.FormatError as err:  # its message names the tensor
+                    report.add("checksum", str(err) if str(err).startswith(f"{name}:") else f"{name}: {err}",
+                               path=where)
                     continue
                 out.arrays[name] = as_array(raw, e.dtype, e.shape)
                 if name == "hidden":
