@@ -151,7 +151,8 @@ def test_doctor_reports_the_writer_threads_the_server_will_use_and_blocks_a_bad_
     (model / "config.json").write_text(json.dumps({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 6}))
     flags = ("--model-path", str(model), "--disable-cuda-graph", "--disable-radix-cache")
     _, f = in_process(flags)
-    assert "12 (auto) writer threads per writing rank, 1 writing rank(s) on this host" in f["settings"].detail
+    assert "12 (auto) writer threads per writing rank, 1 writing rank(s) on this host, each in a writer process of " \
+           "its own" in f["settings"].detail
     # DP attention: one writer per DP group, all on this host, sharing its cores (as capture.py decides)
     _, f = in_process(flags + ("--tp", "4", "--dp", "4", "--enable-dp-attention"))
     assert "3 (auto) writer threads per writing rank, 4 writing rank(s) on this host" in f["settings"].detail

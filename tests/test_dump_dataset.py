@@ -260,3 +260,15 @@ def test_a_follower_restarted_from_its_state_neither_repeats_nor_skips(served_du
     tail = [x["input_ids"] for x in again]
     assert sorted(rid_of[tuple(t.tolist())] for t in head + tail) == want
     assert run_dirs(served_dump["dir"])  # the run it followed had closed: both ended on their own
+
+
+def test_a_live_dataset_is_a_dump_dataset_and_windows_count_the_stored_dtype(served_dump):
+    ds = DumpDataset(served_dump["dir"], served_dump["data"], follow=True, window_bytes=1 << 20, poll_s=0.05)
+    assert isinstance(ds, DumpDataset) and isinstance(ds, torch.utils.data.IterableDataset)
+    assert ds.cache_bytes == 2 << 20
+    with pytest.raises(TypeError, match="no length"):
+        len(ds)
+    fixed = DumpDataset(served_dump["dir"], served_dump["data"], window_bytes=1 << 20)
+    assert fixed.plan.itemsize == 4  # the CPU server stores float32
+    h, k = fixed.plan.hidden_size, len(fixed.plan.layers) + 1 + fixed.plan.prenorm
+    assert fixed._token_bytes() == h * k * 4

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from hs_capture.cli import main
+from hs_capture.offline.output_dir import MANIFEST
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import hf_hidden_states, write_jsonl
 
@@ -31,7 +32,10 @@ def run_merge(*args):
 
 
 def files_of(out):
-    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out)) if n != "merge_report.json"}
+    """The output's files (the report and merge's manifest of what it wrote apart: they record how
+    the output was made, in the order its runs made it)."""
+    return {n: open(os.path.join(out, n), "rb").read() for n in sorted(os.listdir(out))
+            if n not in ("merge_report.json", MANIFEST)}
 
 
 def by_rid(rows):

@@ -83,9 +83,8 @@ class DumpDataset(torch.utils.data.Dataset):
 
     def __new__(cls, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False,
                 **kw: Any) -> Any:
-        if follow and cls is DumpDataset:
-            return FollowingDumpDataset(dumps, dataset, keys, **kw)
-        return super().__new__(cls)
+        # a FollowingDumpDataset is a DumpDataset: Python then calls its __init__ with these arguments
+        return super().__new__(FollowingDumpDataset if follow and cls is DumpDataset else cls)
 
     def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False,
                  window_bytes: int = WINDOW_BYTES) -> None:
@@ -101,27 +100,27 @@ class DumpDataset(torch.utils.data.Dataset):
         self.rids: List[str] = [rid for rid in order if rid in self.plan.samples]
         self._index = {rid: i for i, rid in enumerate(self.rids)}
         self.incomplete: Dict[str, str] = dict(self.plan.incomplete)  # rid -> why it is left out
-        self.windows = self._windows(window_bytes)
+        self.windows, self._steps = self._windows(window_bytes)
         largest = max((self._step_bytes(k) for k in self._steps), default=0)
         self.cache_bytes = window_bytes + 2 * largest  # a window, and the steps at its edges
         self._asm: Optional[Assembler] = None
 
     # ------------------------------------------------------------ the order
     def _token_bytes(self) -> int:
-        return self.plan.hidden_size * (len(self.plan.layers) + 1 + self.plan.prenorm) * 2  # bf16, as servers store
+        return self.plan.hidden_size * (len(self.plan.layers) + 1 + self.plan.prenorm) * self.plan.itemsize
 
     def _step_bytes(self, key: Tuple[int, str, int]) -> int:
         return self._steps[key] * self._token_bytes()
 
-    def _windows(self, window_bytes: int) -> List[List[int]]:
+    def _windows(self, window_bytes: int) -> Tuple[List[List[int]], Dict[tuple, int]]:
         """Indices grouped by the step that ends them, steps in dump order, cut into windows of
-        about window_bytes of decoded states."""
-        self._steps: Dict[tuple, int] = {}  # step -> tokens of this dataset in it
+        about window_bytes of decoded states; and each step's tokens of this dataset."""
+        steps: Dict[tuple, int] = {}
         ends: Dict[tuple, List[int]] = {}
         for i, rid in enumerate(self.rids):
             pieces = self.plan.samples[rid]
             for p in pieces:
-                self._steps[(p.run, p.rank, p.step)] = self._steps.get((p.run, p.rank, p.step), 0) + p.length
+                steps[(p.run, p.rank, p.step)] = steps.get((p.run, p.rank, p.step), 0) + p.length
             p = pieces[-1]
             ends.setdefault((p.run, p.rank, p.step), []).append(i)
         windows: List[List[int]] = [[]]
@@ -131,8 +130,8 @@ class DumpDataset(torch.utils.data.Dataset):
                 windows.append([])
                 have = 0
             windows[-1] += ends[key]
-            have += self._step_bytes(key)
-        return [w for w in windows if w]
+            have += steps[key] * self._token_bytes()
+        return [w for w in windows if w], steps
 
     def sampler(self, batch_size: int = 1, num_workers: int = 0, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False, rank: Optional[int] = None, world_size: Optional[int] = None,
@@ -172,7 +171,7 @@ class DumpDataset(torch.utils.data.Dataset):
         return state
 
 
-class FollowingDumpDataset(torch.utils.data.IterableDataset):
+class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
     """A run followed while the server writes it (follow.py): each whole sample once, as soon
     as it is whole; the dump dir need not exist yet. Ends when every run found has closed (or
     after `idle_timeout_s` without a new sample, or on stop()). Under DataLoader workers and
@@ -184,9 +183,12 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
     A request captured twice (a re-send) is handed out once, as first captured whole; one
     whose tokens differ from the dataset's is left out (`skipped`)."""
 
-    def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap",
+    def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = True,
                  poll_s: float = 0.5, idle_timeout_s: Optional[float] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, cache_bytes: int = FOLLOW_CACHE_BYTES) -> None:
+                 world_size: Optional[int] = None, cache_bytes: int = FOLLOW_CACHE_BYTES,
+                 window_bytes: Optional[int] = None) -> None:
+        """window_bytes (DumpDataset's setting): the decode cache holds two windows of it."""
+        # a DumpDataset (isinstance holds), iterable: the map-style parts below do not apply
         self.format = _format(keys)
         self.keys = keys
         self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
@@ -194,12 +196,20 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset):
         self.poll_s, self.idle_timeout_s = poll_s, idle_timeout_s
         # here, in the trainer's process: a spawned DataLoader worker has no process group
         self.rank, self.world_size = rank_world(rank, world_size)
-        self.cache_bytes = cache_bytes
+        self.cache_bytes = 2 * window_bytes if window_bytes else cache_bytes
         self._yielded: List[str] = []
         self._skip: set = set()
         self._stop = False
         self.bytes_decoded = 0
         self.skipped: Dict[str, str] = {}  # rid -> why it was left out
+
+    bytes_decoded = 0  # an attribute here (DumpDataset's is a property of its decoder)
+
+    def __len__(self) -> int:
+        raise TypeError("a live DumpDataset (follow=True) has no length: it ends when the run closes")
+
+    def __getitem__(self, i: int) -> Dict[str, object]:
+        raise TypeError("a live DumpDataset (follow=True) is iterable, not indexed")
 
     def stop(self) -> None:
         """End the iteration after the sample being handed out (same process)."""

@@ -11,6 +11,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from hs_capture.offline.attribution import warmups
 from hs_capture.offline.coverage import Span, whole_chain
+from hs_capture.dump.hst import ITEMSIZE
 from hs_capture.dump.paths import step_parts
 from hs_capture.offline.reader import DumpError, Run, open_runs
 
@@ -41,6 +42,7 @@ class Plan:
     extras: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces captured again, not used
     # without a dataset: rid -> why it is not a user's sample (SGLang's warmup; attribution.py)
     left_out: Dict[str, str] = field(default_factory=dict)
+    itemsize: int = 2  # bytes of one stored state value (the widest dtype the index lines name)
 
 
 def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
@@ -82,6 +84,7 @@ class Captured:
         # (run, rank, step) -> what is wrong with a file the index line lists: a missing or
         # truncated file makes its part absent, for every tool that judges by this class
         self.damage: Dict[Tuple[int, str, int], str] = {}
+        self.itemsize = 0
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
@@ -91,6 +94,7 @@ class Captured:
                                 self.dropped.setdefault(s.rid, line.step)
                         continue
                     files = self._intact(i, run, tag, line)
+                    self.itemsize = max(self.itemsize, ITEMSIZE.get(line.dtype, 0))
                     for s in line.seqs:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
@@ -144,7 +148,7 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
     but SGLang's startup warmup (left_out).
     Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
     cap = Captured(dump_dirs, strict, exclude_prefix)
-    result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm)
+    result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm, itemsize=cap.itemsize or 2)
     for rid in (lengths.keys() if lengths is not None else cap.pieces.keys()):
         chain, reason, extras = cap.judge(rid, lengths.get(rid) if lengths is not None else None)
         if chain is None:

@@ -149,7 +149,8 @@ def check_settings(env: Optional[Dict[str, str]] = None, ns: Any = None) -> List
     try:
         cfg = config_mod.load(env)
         config_mod.check_dump_dir(cfg.dump_dir, create=False)  # a check creates nothing
-        # the layer set against a local checkpoint, as `hscap serve` and the server check it
+        # the model path and the layer set against a local checkpoint, as `hscap serve` checks them
+        config_mod.check_model_path(getattr(ns, "model_path", None))
         config_mod.check_checkpoint_layers(env, getattr(ns, "model_path", None),
                                            getattr(ns, "json_model_override_args", None))
     except config_mod.ConfigError as e:
@@ -159,7 +160,8 @@ def check_settings(env: Optional[Dict[str, str]] = None, ns: Any = None) -> List
     threads = config_mod.writer_threads(cfg, writers)
     out = [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
                                    f"codec {cfg.codec} level {cfg.level}; {threads}{'' if cfg.writer_threads else ' (auto)'} "
-                                   f"writer threads per writing rank, {writers} writing rank(s) on this host")]
+                                   f"writer threads per writing rank, {writers} writing rank(s) on this host, "
+                                   f"{'each in a writer process of its own' if cfg.writer == 'process' else 'in the server process (HSCAP_WRITER=thread)'}")]
     if not cfg.prenorm:  # said before serving, not first at merge time
         out.append(Finding("pre-norm state", INFO, "not captured: speculators trains on it, so merge --format "
                            "speculators would refuse this dump", "HSCAP_PRENORM=1 (hscap serve --prenorm)"))
