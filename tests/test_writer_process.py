@@ -176,3 +176,18 @@ def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
     assert cost["budget_wait_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["steps"] == 5
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
     assert f"staging copies {cost['staging_s']:.3f} s" in line and "forwards held" in line
+
+
+def test_a_writer_process_that_cannot_start_leaves_the_writing_to_threads(tmp_path, monkeypatch, caplog):
+    from hs_capture.server import writer_process
+    from hs_capture.server.config import ConfigError
+
+    def refuse(self, meta):
+        raise ConfigError("the writer process did not start (exit code 1)")
+
+    monkeypatch.setattr(writer_process.ProcessSink, "start", refuse)
+    w = make_writer(tmp_path)
+    assert w.cfg.writer == "thread" and "writing in threads of the server's process instead" in caplog.text
+    assert w.submit(*step("r0", 8), aux_layers=[1, 2])
+    assert w.close()
+    assert meta_of(w)["stats"]["writer"] == "thread" and meta_of(w)["stats"]["steps_written"] == 1

@@ -121,7 +121,18 @@ class ShardWriter:
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._record.open()
-        self._sink.start(self.run_meta)
+        try:
+            self._sink.start(self.run_meta)
+        except Exception as e:
+            if not isinstance(self._sink, ProcessSink):
+                raise
+            # capture must not stop a server: the writing goes on in this process's threads
+            log.warning("WARNING: rank %s: %s; writing in threads of the server's process instead "
+                        "(slower prefill at high state rates)", self.rank.tag, e)
+            self.cfg = replace(self.cfg, writer="thread")
+            self._stager.pool.on_new = None
+            self._sink = ThreadSink(self.cfg, self.rank, self._record, self.cfg.max_inflight_bytes)
+            self._sink.start(self.run_meta)
 
     def close(self, timeout: float = 600.0) -> bool:
         """Drain every queued step, then record the run as closed. True if all finished."""

@@ -167,7 +167,11 @@ class ProcessSink:
 
     def _lost(self) -> None:
         """The child died under a running server: stop capture loudly, serve on."""
-        code = self._proc.wait(5) if self._proc is not None else None
+        try:
+            code = self._proc.wait(5) if self._proc is not None else None
+        except subprocess.TimeoutExpired:  # it closed the channel and lives on: end it
+            self._proc.kill()
+            code = "killed: it had closed the channel"
         reason = f"the writer process exited (code {code})"
         self.stopped = {"reason": reason, "step": None, "time": time.time()}
         self._on_lost()
