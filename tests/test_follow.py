@@ -115,3 +115,25 @@ def test_sglangs_warmup_and_health_checks_are_no_ones_samples(tmp_path):
     f.close_check()
     assert names(f.poll()) == ["x"]
     assert FINAL in step_parts(LAYERS, False)
+
+
+def test_the_follower_keeps_no_step_and_no_piece_it_no_longer_needs(tmp_path):
+    """Without a dataset it reads a request's end off the next step: it keeps that step and the
+    pieces of requests still pending, not every step of the run, nor the pieces of a request a
+    dropped step broke (it is never whole here)."""
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1")
+    f = Follower([dump])
+    seen, held = 0, []
+    for step in range(0, 3000, 3):
+        run.line(step, [(f"r{step}", 0, 4), (f"long{step}", 0, 2)])  # long continues in the next step
+        run.line(step + 1, [(f"long{step}", 2, 2), (f"x{step}", 0, 1)], dropped=step % 30 == 0)
+        run.line(step + 2, [(f"y{step}", 0, 3)])
+        if step % 300 == 0:
+            seen += len(f.poll())
+            held.append((sum(len(st.steps) for st in f._ranks.values()), len(f._pieces)))
+    run.meta("closed")  # the last request is over once its run has closed
+    assert f.close_check()
+    seen += len(f.poll())
+    assert seen == 1000 * 4 - 100 * 2  # every request whole but the two a dropped step held
+    assert max(h for h, _ in held) <= 2 and max(p for _, p in held) <= 3, held

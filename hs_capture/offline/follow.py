@@ -141,16 +141,18 @@ class Follower:
 
     def _apply(self, key: RankKey, line: IndexLine, touched: Set[str]) -> None:
         i, tag = key
-        self._ranks[key].steps[line.step] = {s.rid for s in line.seqs if s.rid is not None}
+        if self.lengths is None:  # without lengths, whether a request ended is read off the next step
+            self._ranks[key].steps[line.step] = {s.rid for s in line.seqs if s.rid is not None}
         files = tuple(sorted((part, f.path) for part, f in line.files.items())) if line.written else ()
         run_id = os.path.basename(self.runs[i].path)
         for s in line.seqs:
-            if not self._counts(s.rid):
+            if not self._counts(s.rid) or s.rid in self._broken:
                 continue
             touched.add(s.rid)
             if not line.written or set(self.parts) - {part for part, _ in files}:
                 if self.lengths is None:  # with lengths a hole is seen as one (a re-send may fill it)
                     self._broken.add(s.rid)
+                    self._pieces.pop(s.rid, None)  # never whole here: its pieces are not kept
                 continue
             piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix)
             self._pieces.setdefault(s.rid, {}).setdefault((run_id, tag, line.step), piece)
@@ -162,7 +164,26 @@ class Follower:
         for key in list(self._ranks):
             for line in self._new_lines(key):
                 self._apply(key, line, touched)
-        return self._judge(touched if self.lengths is not None else set(self._pieces))
+        out = self._judge(touched if self.lengths is not None else set(self._pieces))
+        self._prune_steps()
+        return out
+
+    def _prune_steps(self) -> None:
+        """Keep only the steps a pending request's end is read off (the one after its last
+        piece) and each rank's newest: the rest would grow with the run."""
+        if self.lengths is not None:
+            return
+        keep: Dict[RankKey, int] = {}
+        for pieces in self._pieces.values():
+            for p in pieces.values():
+                k = (p.run, p.rank)
+                keep[k] = min(keep.get(k, p.step + 1), p.step + 1)
+        for k, state in self._ranks.items():
+            if not state.steps:
+                continue
+            low = min(keep.get(k, max(state.steps)), max(state.steps))
+            for step in [x for x in state.steps if x < low]:
+                del state.steps[step]
 
     def close_check(self) -> bool:
         """Re-read every rank's metadata: whether every run found so far has closed (a rank
