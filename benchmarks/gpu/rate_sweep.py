@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import sys
-import threading
 import time
 from typing import Dict, List, Optional
 

@@ -93,8 +93,9 @@ def _owner(rel: str, mine: Set[str]) -> str:
 def _counted(out_dir: str, rels: List[str]) -> str:
     files = sum(not os.path.isdir(os.path.join(out_dir, r)) for r in rels)
     dirs = len(rels) - files
-    parts = [f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((files, "file"), (dirs, "directory")) if n]
-    return " and ".join(parts).replace("directorys", "directories")
+    parts = [f"{n} {one if n == 1 else many}" for n, one, many in
+             ((files, "file", "files"), (dirs, "directory", "directories")) if n]
+    return " and ".join(parts)
 
 
 def prepare(out_dir: str, dump_dirs: Sequence[str], training_format: TrainingFormat, overwrite: bool) -> None:

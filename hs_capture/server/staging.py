@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Dict, List, Optional, Protocol, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Protocol
 
 import torch
 
@@ -51,9 +51,14 @@ class HostBuffer:
 
     PAGE = mmap.PAGESIZE
 
+    @classmethod
+    def size_for(cls, nbytes: int) -> int:
+        """What a buffer of nbytes takes: whole pages."""
+        return -(-max(nbytes, 1) // cls.PAGE) * cls.PAGE
+
     def __init__(self, ident: int, nbytes: int, pin: bool) -> None:
         self.ident = ident
-        self.nbytes = -(-max(nbytes, 1) // self.PAGE) * self.PAGE
+        self.nbytes = self.size_for(nbytes)
         self.fd = _memfd(f"hscap-step-{ident}", self.nbytes)
         self._map = mmap.mmap(self.fd, self.nbytes) if self.fd >= 0 else mmap.mmap(-1, self.nbytes)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -106,7 +111,7 @@ class PinnedPool:
         self._cap = cap  # 0: no cap
         self.on_new = on_new
         self._free: List[HostBuffer] = []  # sorted by size
-        self._all: Dict[int, HostBuffer] = {}
+        self._next_id = 0
         self._cond = threading.Condition()
         self._largest = 0
         self._aborted = False
@@ -115,20 +120,15 @@ class PinnedPool:
         self.hot_allocs = 0  # allocations a forward had to wait for
         self.waited_s = 0.0  # time forwards waited for a buffer to come back
 
-    @staticmethod
-    def rounded(nbytes: int) -> int:
-        """What a buffer of nbytes actually takes: whole pages."""
-        return -(-max(nbytes, 1) // HostBuffer.PAGE) * HostBuffer.PAGE
+    rounded = staticmethod(HostBuffer.size_for)  # what a buffer of nbytes actually takes
 
     def _alloc(self, nbytes: int) -> HostBuffer:
         with self._cond:
-            ident = len(self._all)
-            self._all[ident] = None  # the id is taken
+            ident, self._next_id = self._next_id, self._next_id + 1
         buf = HostBuffer(ident, nbytes, self._pin)
         if self.on_new is not None:
             self.on_new(buf)
         with self._cond:
-            self._all[ident] = buf
             self.pinned_bytes += buf.nbytes
             self.buffers += 1
             self._largest = max(self._largest, buf.nbytes)
@@ -180,8 +180,6 @@ class PinnedPool:
         """Free the buffers not in flight (at close)."""
         with self._cond:
             free, self._free = self._free, []
-            for buf in free:
-                self._all.pop(buf.ident, None)
         for buf in free:
             buf.free()
 

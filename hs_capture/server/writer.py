@@ -16,7 +16,6 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from hs_capture.server.backlog import Backlog
@@ -61,8 +60,7 @@ class ThreadSink:
         return self.store.failure if self.store else None
 
     def put(self, step: int, line: IndexLine, staged: Staged, aux_layers: List[int], done: Callable[[], None]) -> None:
-        memory = np.frombuffer(staged.buffer.tensor.numpy(), dtype=np.uint8)
-        self.workers.put(WriteJob(step, line, memory, staged.layout, aux_layers, staged.nbytes, staged.ready, done))
+        self.workers.put(WriteJob(step, line, staged.buffer.tensor.numpy(), staged.layout, aux_layers, staged.nbytes, staged.ready, done))
 
     def drop(self, step: int, line: IndexLine) -> None:
         self.store.drop(step, line)
