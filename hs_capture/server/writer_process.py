@@ -172,16 +172,15 @@ class ProcessSink:
         except subprocess.TimeoutExpired:  # it closed the channel and lives on: end it
             self._proc.kill()
             code = "killed: it had closed the channel"
-        reason = f"the writer process exited (code {code})"
-        self.stopped = {"reason": reason, "step": None, "time": time.time()}
-        self._on_lost()
-        try:
-            store = ShardStore(self.cfg, self.rank, self._meta, self.record)  # it records the stop
-            store.stats.update(self.stats)
-            store.stop(None, reason + "; steps it had not indexed are not in the dump",
-                       "re-send them; the server's log above may say why the writer died")
+        reason = f"the writer process exited (code {code}); steps it had not indexed are not in the dump"
+        store = ShardStore(self.cfg, self.rank, self._meta, self.record)
+        store.stats.update(self.stats)
+        try:  # said loudly and recorded first; then no forward waits for the writer any longer
+            store.stop(None, reason, "re-send them; the server's log above may say why the writer died")
         except Exception as e:
             log.error("ERROR: rank %s: could not record the writer's loss: %s", self.rank.tag, e)
+        self.stopped = store.stopped or {"reason": reason, "step": None, "time": time.time()}
+        self._on_lost()
 
     # ------------------------------------------------------------- close
     def close(self, timeout: float, forward: Dict[str, Any]) -> bool:
