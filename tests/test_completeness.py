@@ -98,14 +98,15 @@ def test_a_sample_split_across_two_runs_is_whole_for_send_merge_and_verify(serve
 
 @pytest.fixture(scope="module")
 def sent_twice(tiny_model, tmp_path_factory):
-    """The radix cache ON and the dataset sent twice to one server: the second send hits the
-    cache and recomputes (and so captures) only each sample's last token."""
+    """The radix cache ON and shared by captured requests (HSCAP_CACHE_NAMESPACE=0) and the
+    dataset sent twice to one server: the second send hits the cache and recomputes (and so
+    captures) only each sample's last token."""
     root = tmp_path_factory.mktemp("twice")
     rows = [{"id": f"r{i}", "input_ids": [(7 * i + j) % 900 + 2 for j in range(n)]}
             for i, n in enumerate([30, 90, 150, 64, 200, 45])]
     data = write_jsonl(root / "data.jsonl", rows)
     dump = str(root / "dump")
-    serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3"), root,
+    serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3", HSCAP_CACHE_NAMESPACE="0"), root,
                    ["--chunked-prefill-size", "128"], data, len(rows), concurrency=2, times=2)  # radix cache on
     return {"dump": dump, "data": data, "rows": rows, "root": root, "model": tiny_model}
 

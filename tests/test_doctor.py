@@ -59,7 +59,7 @@ def in_process(argv):
 
 @pytest.mark.parametrize("flags,topic,status", [
     (("--cuda-graph-backend-prefill", "breakable"), "prefill CUDA graphs", "block"),
-    (("--disable-cuda-graph",), "radix cache", "warn"),
+    (("--disable-cuda-graph",), "radix cache", "ok"),  # captured requests get their own namespace
     (("--disable-cuda-graph", "--enable-two-batch-overlap"), "two-batch overlap", "block"),
     # the server's defaults: overlap scheduler and decode CUDA graphs, both right with capture
     (("--disable-prefill-cuda-graph",), "scheduler", "ok"),
@@ -190,3 +190,34 @@ def test_a_speculating_server_names_both_layer_sets(tmp_path, monkeypatch, ids):
     _, f = in_process(("--model-path", str(model), "--disable-cuda-graph", "--speculative-algorithm", "EAGLE3",
                        "--speculative-draft-model-path", "org/remote-draft"))
     assert "the server log names them" in f["speculative decoding"].detail
+
+
+def test_doctor_says_which_capture_policy_runs_and_what_the_radix_cache_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("HSCAP_DIR", str(tmp_path / "dump"))
+    monkeypatch.setenv("HSCAP_CAPTURE_FRACTION", "0.05")
+    monkeypatch.syspath_prepend(HOOK)
+    code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
+    assert f["capture policy"].status == "ok"
+    assert f["capture policy"].detail.startswith("0.05 of requests by rid hash and requests marked extra_key=hscap*")
+    assert f["radix cache"].status == "ok" and "namespace of its own" in f["radix cache"].detail
+    monkeypatch.setenv("HSCAP_CACHE_NAMESPACE", "0")
+    code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
+    assert f["radix cache"].status == "warn" and "reported incomplete" in f["radix cache"].detail
+    monkeypatch.setenv("HSCAP_CAPTURE_FRACTION", "1.5")
+    code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
+    assert code == 1 and f["settings"].detail == "HSCAP_CAPTURE_FRACTION=1.5 is outside [0, 1]"
+
+
+def test_hscap_serve_keeps_the_radix_cache_and_sets_the_fraction_when_asked(tmp_path):
+    from click.testing import CliRunner
+
+    from hs_capture.cli import main
+
+    base = ["serve", "-d", str(tmp_path), "--prenorm", "--python", "/bin/true", "--dry-run"]
+    res = CliRunner().invoke(main, [*base, "--", "--model-path", "m"])
+    assert res.exit_code == 0 and "--disable-radix-cache" in res.output and "HSCAP_CAPTURE_FRACTION" not in res.output
+    res = CliRunner().invoke(main, [*base, "--fraction", "0.05", "--keep-radix-cache", "--", "--model-path", "m"])
+    assert res.exit_code == 0 and "--disable-radix-cache" not in res.output
+    assert res.output.startswith("HSCAP_CAPTURE_FRACTION=0.05 HSCAP_DIR=") and "HSCAP_PRENORM=1" in res.output
+    res = CliRunner().invoke(main, [*base, "--fraction", "2", "--", "--model-path", "m"])
+    assert res.exit_code == 2 and "2.0 is not in the range 0.0<=x<=1.0" in res.output

@@ -1,8 +1,9 @@
 """The real extraction path, end to end: bin/hscap-serve starts the REAL SGLang on the CPU
 (tiny DeepSeek-V3), `hscap send` feeds a seeded dataset at concurrency 8 (batched forwards,
 prompts longer than the chunked-prefill size, lengths 1..1500, shared prefixes), the dump is
-stitched and compared with transformers. Then the radix cache ON: prefix hits are reported
-as incomplete samples, never silently wrong or short."""
+stitched and compared with transformers. Then the radix cache ON and shared by captured
+requests (HSCAP_CACHE_NAMESPACE=0): prefix hits are reported as incomplete samples, never
+silently wrong or short (test_production_capture.py has the default: no hits)."""
 
 import json
 import os
@@ -121,8 +122,8 @@ def test_every_sample_equals_transformers_once_stitched(extraction, tiny_model):
 def test_radix_cache_hits_are_reported_incomplete_never_wrong(tiny_model, tmp_path):
     dump = str(tmp_path / "dump")
     rows = make_dataset()[-12:]  # the prefix-sharing samples
-    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS))), str(tmp_path / "server.log"),
-                 ["--chunked-prefill-size", str(CHUNK)])  # the plain command: radix cache on
+    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)), HSCAP_CACHE_NAMESPACE="0"),
+                 str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)])  # the plain command: radix cache on
     try:
         srv.wait_healthy()
         for donor in (rows[0], rows[8]):  # cache each shared prefix first
@@ -138,7 +139,7 @@ def test_radix_cache_hits_are_reported_incomplete_never_wrong(tiny_model, tmp_pa
     finally:
         srv.stop()
     assert rc == 0 and summary["skipped_already_captured"] == 2
-    assert "[HS_DUMP] WARNING: the radix cache is on" in srv.log()
+    assert "[HS_DUMP] WARNING: the radix cache is on and captured requests share it" in srv.log()
     cap = Captured([dump])
     judged = {r["id"]: cap.judge(r["id"], len(r["input_ids"])) for r in rows}
     incomplete = [rid for rid, (chain, _, _) in judged.items() if chain is None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import List, Optional, Sequence, Tuple
@@ -21,6 +22,7 @@ from hs_capture.server.sglang_compat import PREFILL_GRAPH_FIELDS, prefill_graph_
 # depends on the release: asked of the server's own Python.
 CAPTURE_FLAGS = (
     # A radix-cache prefix hit is never recomputed: that sample's capture would start past 0.
+    # (--keep-radix-cache keeps it: each captured request then gets a namespace of its own.)
     "--disable-radix-cache",
     # The warmup request is not the user's data.
     "--skip-server-warmup",
@@ -70,12 +72,14 @@ def graph_off_flags_asked(python: str) -> List[str]:
         return ["--disable-cuda-graph"]
 
 
-def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str) -> Tuple[list, dict]:
+def build_command(dump_dir: str, sglang_args: Tuple[str, ...], python: str,
+                  keep_radix_cache: bool = False) -> Tuple[list, dict]:
     env = dict(os.environ)
     env["HSCAP_DIR"] = os.path.abspath(dump_dir)
     env["PYTHONPATH"] = os.pathsep.join([HOOK_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     given = set(a.split("=", 1)[0] for a in sglang_args)
-    flags = [f for f in (*graph_off_flags(python), *CAPTURE_FLAGS) if f not in given]
+    capture = [f for f in CAPTURE_FLAGS if not (keep_radix_cache and f == "--disable-radix-cache")]
+    flags = [f for f in (*graph_off_flags(python), *capture) if f not in given]
     return [python, "-m", "sglang.launch_server", *flags, *sglang_args], env
 
 
@@ -113,33 +117,41 @@ def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
 @click.option("--layers", help="HSCAP_LAYERS, e.g. 2,30,58 (entering-layer convention).")
 @click.option("--prenorm", is_flag=True, help="Also capture the pre-norm final state (HSCAP_PRENORM=1), "
               "what speculators trains on.")
+@click.option("--fraction", type=click.FloatRange(0.0, 1.0),
+              help="Capture this fraction of requests, picked by a hash of their rid (HSCAP_CAPTURE_FRACTION; "
+              "default all). Requests marked extra_key=hscap (hscap send marks its own) are always captured.")
+@click.option("--keep-radix-cache", is_flag=True, help="Keep SGLang's radix (prefix) cache: each captured "
+              "request gets a cache namespace of its own and is prefilled whole; the rest keep their prefix reuse.")
 @click.option("--python", default=sys.executable, show_default=True, help="The server's Python.")
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def serve(dump_dir: str, layers: str, prenorm: bool, python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
+def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], keep_radix_cache: bool,
+          python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
     Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
     from 0.5.15, --disable-piecewise-cuda-graph in 0.5.10-0.5.14; decode CUDA graphs and
-    the overlap scheduler stay on), --disable-radix-cache and --skip-server-warmup (see
-    README); every other flag is passed through.
+    the overlap scheduler stay on), --disable-radix-cache (unless --keep-radix-cache) and
+    --skip-server-warmup (see README); every other flag is passed through.
     """
     settings = {"HSCAP_DIR": os.path.abspath(dump_dir)}
     if layers:
         settings["HSCAP_LAYERS"] = layers
     if prenorm:
         settings["HSCAP_PRENORM"] = "1"
+    if fraction is not None:
+        settings["HSCAP_CAPTURE_FRACTION"] = repr(fraction)
     # before the release probe and SGLang: a refused start costs nothing and creates nothing
     try:
         check_before_start({**os.environ, **settings}, sglang_args)
     except config.ConfigError as e:
         raise SystemExit(f"hscap serve: {e}") from None
-    cmd, env = build_command(dump_dir, sglang_args, python)
+    cmd, env = build_command(dump_dir, sglang_args, python, keep_radix_cache)
     env.update(settings)
     if not config.prenorm(env):
         click.echo("hscap serve: the pre-norm final state is not captured; speculators trains on it "
                    "(merge --format speculators needs it): add --prenorm to capture it too", err=True)
-    if dry_run:
-        click.echo(" ".join(cmd))
+    if dry_run:  # the settings the hook reads, then the command
+        click.echo(" ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(settings.items())), *map(shlex.quote, cmd)]))
         return
     os.execvpe(cmd[0], cmd, env)

@@ -1,5 +1,6 @@
 """Feed the input file (inputs.py) to a running SGLang server so hs_capture dumps it: one
-/generate per sample, rid = the sample's id, one new token at temperature 0. Stdlib HTTP
+/generate per sample, rid = the sample's id, marked for capture (capture_policy.MARK), one
+new token at temperature 0. Stdlib HTTP
 only; never imports sglang."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Set, Tuple
 
+from hs_capture.dump.capture_policy import MARK
 from hs_capture.offline.inputs import BadLine, InputSample
 
 
@@ -24,7 +26,8 @@ class ServerError(Exception):
 
 
 def post_generate(url: str, sample: InputSample, timeout: float) -> dict:
-    body = json.dumps({"input_ids": sample.input_ids, "rid": sample.id,
+    # marked for capture: a server capturing a fraction of its traffic captures these whole
+    body = json.dumps({"input_ids": sample.input_ids, "rid": sample.id, "extra_key": MARK,
                        "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
     req = urllib.request.Request(url.rstrip("/") + "/generate", data=body,
                                  headers={"Content-Type": "application/json"})

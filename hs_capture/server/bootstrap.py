@@ -28,12 +28,12 @@ def run() -> bool:
         os.environ["HSCAP_RUN_ID"] = new_run_id()
     import wrapt
 
-    from hs_capture.server.targets import TARGETS
+    from hs_capture.server.targets import REQUESTS, TARGETS
 
     # Fail fast in the launching process, before any model loads.
     wrapt.register_post_import_hook("hs_capture.server.bootstrap:preflight", PREFLIGHT_MODULE)
-    for target in TARGETS:
-        wrapt.register_post_import_hook(on_target_import, target.module)
+    for module in {t.module for t in TARGETS} | {REQUESTS.module}:
+        wrapt.register_post_import_hook(on_target_import, module)
     return True
 
 

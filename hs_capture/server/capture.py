@@ -32,6 +32,7 @@ from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_her
 from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from hs_capture.dump.schema import RankMeta
 from hs_capture.server.forward_cost import ForwardCost
+from hs_capture.server import requests as requests_mod
 from hs_capture.server.step import take_step
 from hs_capture.server.writer import ShardWriter
 
@@ -64,6 +65,7 @@ class ModelCapture:
         self._want_prenorm = False
         self._prenorm: Optional[torch.Tensor] = None
         self.prenorm_hooked = False
+        self.picker: Optional[requests_mod.RequestPicker] = None  # which requests (None: all)
 
     def hook_prenorm(self, norm: Any) -> None:
         """Capture the final norm's input. Called as norm(hidden, residual) it returns
@@ -112,6 +114,16 @@ class ModelCapture:
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
         capturing = self.writer is not None and not self.writer.stopped and mode in CAPTURED_MODES
+        keep = None
+        if capturing and self.picker is not None:
+            try:
+                keep = self.picker.select(getattr(fb, "rids", None), len(fb.extend_seq_lens_cpu))
+            except Exception as e:  # never let bookkeeping break serving
+                self._error("request selection", e)
+                keep = []
+            if keep is not None:
+                capturing = any(keep)
+                keep = None if all(keep) else keep
         if capturing and _graph_capturing():
             # Under CUDA-graph capture this Python runs once, on placeholder inputs, and never
             # again on replay: take nothing (and add no layer to the graph), say so once.
@@ -133,7 +145,7 @@ class ModelCapture:
         hidden, aux = (out[0], out[1]) if isinstance(out, tuple) else (out, None)
         if capturing and aux is not None:
             try:
-                self._capture(fb, mode, hidden, aux, current)
+                self._capture(fb, mode, hidden, aux, current, keep)
             except Exception as e:
                 self._error("capture", e)
         return self._host_output(hidden, aux, current)
@@ -154,14 +166,16 @@ class ModelCapture:
             return hidden, torch.cat([aux[..., j * h:(j + 1) * h] for j in idx], dim=-1)
         return hidden, [aux[j] for j in idx]
 
-    def _capture(self, fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int]) -> None:
+    def _capture(self, fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int],
+                 keep: Optional[List[bool]] = None) -> None:
         pre = None
         if self.prenorm_hooked:
             pre, self._prenorm = self._prenorm, None
             if pre is None:
                 raise ValueError("the final norm's input was not seen in this forward")
         t0 = time.perf_counter()
-        line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre)
+        line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre,
+                                              keep)
         self.writer.cost.add("step_line", time.perf_counter() - t0)
         self.writer.submit(line, tensors, aux_layers)
         self.steps += 1
@@ -236,6 +250,8 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
                          target.select if target is not None else LIST)
     if cfg.prenorm and writer is not None:
         state.hook_prenorm(model.norm)
+    if writer is not None:
+        state.picker = _policy_picker(cfg, flags)
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
     state.log_layer_sets()
     state.layers_for(model, capturing=True)
@@ -251,11 +267,28 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     unservable = served_ids(layers, "sglang", target.family if target else None, sglang_version()).problem()
     if writer is not None and unservable:  # the data is right; a drafter trained on it would be served wrong
         log.warning("WARNING: %s", unservable)
-    if writer is not None and flags.get("disable_radix_cache") is False:
-        log.warning("WARNING: the radix cache is on: a prefix hit is never recomputed, so that sample's "
-                    "capture starts past position 0; such samples are detected and reported incomplete "
-                    "(hscap send resumes them only after a restart). Use --disable-radix-cache (bin/hscap-serve does)")
     return state
+
+
+def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["requests_mod.RequestPicker"]:
+    """The requests picker the forward asks (None: every request), and the server log's line
+    saying which policy runs and what the radix cache does to it."""
+    radix = flags.get("disable_radix_cache") is False
+    picker = requests_mod.picker() if requests_mod.is_hooked() else None
+    if picker is None and (radix or not cfg.policy.everything):
+        log.warning("WARNING: SGLang's request class is not hooked here: every request is captured and "
+                    "captured requests share the radix cache")
+    policy = picker.policy.describe() if picker is not None else "every request"
+    own = picker is not None and picker.namespaces
+    log.info("capture policy: %s; %s", policy, "radix cache off" if not radix else (
+        "radix cache on: each captured request gets a cache namespace of its own (prefilled whole), the rest "
+        "keep their prefix reuse" if own else "radix cache on and shared by captured requests"))
+    if radix and not own:
+        log.warning("WARNING: the radix cache is on and captured requests share it: a prefix hit is never "
+                    "recomputed, so that sample's capture starts past position 0; such samples are detected and "
+                    "reported incomplete (hscap send resumes them only after a restart). Keep "
+                    "HSCAP_CACHE_NAMESPACE=1, or use --disable-radix-cache")
+    return None if picker is None or picker.policy.everything else picker
 
 
 def full_step_rows(flags: Dict[str, Any]) -> int:
@@ -310,6 +343,8 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "writer_threads": cfg.writer_threads,
             "writer": cfg.writer,
             "on_full": cfg.on_full,
+            "capture_policy": cfg.policy.as_meta(flags.get("disable_radix_cache") is False,
+                                                 cfg.policy.own_namespace and flags.get("disable_radix_cache") is False),
         },
     )
 

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional
 
+from hs_capture.dump.capture_policy import CapturePolicy
 from hs_capture.dump.codec import CODECS
 
 DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deployment's name
@@ -45,6 +46,7 @@ class CaptureConfig:
     prenorm: bool = False  # also capture the final norm's input (speculators trains on it)
     min_free_bytes: int = 1 << 30  # capture stops (serving goes on) below this much free space
     flush_timeout_s: float = 120.0  # how long SIGTERM waits for queued steps
+    policy: CapturePolicy = CapturePolicy()  # which requests are captured (dump/capture_policy.py)
 
     @property
     def run_dir(self) -> str:
@@ -72,6 +74,18 @@ def prenorm(env: Mapping[str, str] = os.environ) -> bool:
 def is_enabled(env: Mapping[str, str] = os.environ) -> bool:
     """Capture is opted into with HSCAP_DIR; HSCAP_DISABLE=1 is the kill switch."""
     return dump_dir_from_env(env) is not None and env.get("HSCAP_DISABLE", "") not in ("1", "true", "yes")
+
+
+def capture_policy(env: Mapping[str, str] = os.environ) -> CapturePolicy:
+    """HSCAP_CAPTURE_FRACTION (0 to 1, default 1: every request; marked requests always) and
+    HSCAP_CACHE_NAMESPACE (default 1: a captured request gets a radix-cache namespace of its
+    own; 0: it shares the cache, and a prefix hit leaves its capture incomplete)."""
+    fraction = _number(env, "HSCAP_CAPTURE_FRACTION", 1.0, 0.0, 1.0, float)
+    raw = env.get("HSCAP_CACHE_NAMESPACE", "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ConfigError(f"HSCAP_CACHE_NAMESPACE={raw!r}: choose 1 (captured requests get their own cache "
+                          "namespace) or 0")
+    return CapturePolicy(fraction=fraction, own_namespace=raw == "1")
 
 
 def parse_layers(text: str) -> Optional[List[int]]:
@@ -193,6 +207,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         prenorm=prenorm(env),
         min_free_bytes=_min_free(env),
         flush_timeout_s=_number(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0, float),
+        policy=capture_policy(env),
     )
 
 

@@ -162,6 +162,8 @@ def check_settings(env: Optional[Dict[str, str]] = None, ns: Any = None) -> List
                                    f"codec {cfg.codec} level {cfg.level}; {threads}{'' if cfg.writer_threads else ' (auto)'} "
                                    f"writer threads per writing rank, {writers} writing rank(s) on this host, "
                                    f"{'each in a writer process of its own' if cfg.writer == 'process' else 'in the server process (HSCAP_WRITER=thread)'}")]
+    out.append(Finding("capture policy", OK, f"{cfg.policy.describe()} (HSCAP_CAPTURE_FRACTION; hscap send marks "
+                       "its requests)"))
     if not cfg.prenorm:  # said before serving, not first at merge time
         out.append(Finding("pre-norm state", INFO, "not captured: speculators trains on it, so merge --format "
                            "speculators would refuse this dump", "HSCAP_PRENORM=1 (hscap serve --prenorm)"))
@@ -203,8 +205,17 @@ def check_flags(ns: Any) -> List[Finding]:
     else:
         out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
     if not flag(ns, "disable_radix_cache"):
-        out.append(Finding("radix cache", WARN, "on: a prefix hit is never recomputed, so that sample's capture "
-                           "starts past 0 and it is reported incomplete", "add --disable-radix-cache (hscap serve does)"))
+        try:
+            own = config_mod.capture_policy().own_namespace
+        except config_mod.ConfigError:
+            own = False  # the settings finding says why
+        if own:
+            out.append(Finding("radix cache", OK, "on: each captured request gets a cache namespace of its own and "
+                               "is prefilled whole; the other requests keep their prefix reuse"))
+        else:
+            out.append(Finding("radix cache", WARN, "on and shared by captured requests (HSCAP_CACHE_NAMESPACE=0): a "
+                               "prefix hit is never recomputed, so that sample's capture starts past 0 and it is "
+                               "reported incomplete", "unset HSCAP_CACHE_NAMESPACE, or add --disable-radix-cache"))
     else:
         out.append(Finding("radix cache", OK, "off"))
     pp = int(flag(ns, "pp_size") or 1)

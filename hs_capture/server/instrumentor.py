@@ -1,9 +1,10 @@
 """Patching, isolated from logic (after OpenTelemetry's BaseInstrumentor).
 
 `HsCaptureInstrumentor().instrument()` wraps, for each target, the CausalLM's
-`__init__` and the Model's `forward` on the class that defines them; a repeat
-call warns and does nothing; `uninstrument()` undoes every wrap one for one and
-gives live models their original capture settings back.
+`__init__` and the Model's `forward` on the class that defines them, and SGLang's
+request class (`Req.__init__`: the capture policy judges each request, requests.py);
+a repeat call warns and does nothing; `uninstrument()` undoes every wrap one for one
+and gives live models their original capture settings back.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import wrapt
 from hs_capture.server.capture import setup_model
 from hs_capture.server.config import ConfigError
 from hs_capture.server.log import get_logger
-from hs_capture.server.targets import TARGETS, Target
+from hs_capture.server import requests as requests_mod
+from hs_capture.server.targets import REQUESTS, TARGETS, Target
 
 log = get_logger()
 # wrapt 2 moved the proxy base (FunctionWrapper no longer subclasses wrapt.ObjectProxy)
@@ -83,11 +85,13 @@ class HsCaptureInstrumentor:
             cls._instance._instrumented = False
             cls._instance._done: List[Tuple[Target, type, type]] = []
             cls._instance._models = weakref.WeakSet()
+            cls._instance._requests: Optional[type] = None
         return cls._instance
 
     @property
     def is_instrumented(self) -> bool:
         return self._instrumented
+
 
     def instrument(self, module: Any = None) -> bool:
         """Patch every target whose module is imported (or `module`, from a post-import hook)."""
@@ -99,7 +103,10 @@ class HsCaptureInstrumentor:
             if mod is None or any(t is target for t, _, _ in self._done):
                 continue
             self._patch(target, mod)
-        self._instrumented = bool(self._done)
+        mod = module if module is not None and module.__name__ == REQUESTS.module else sys.modules.get(REQUESTS.module)
+        if mod is not None and self._requests is None:
+            self._patch_requests(mod)
+        self._instrumented = bool(self._done) or self._requests is not None
         return self._instrumented
 
     def uninstrument(self) -> None:
@@ -114,6 +121,10 @@ class HsCaptureInstrumentor:
             _unwrap(causal_lm, "__init__")
             _unwrap(model_cls, "forward")
         self._done.clear()
+        if self._requests is not None:
+            _unwrap(self._requests, "__init__")
+            self._requests = None
+            requests_mod.set_hooked(False)
         self._instrumented = False
 
     # ------------------------------------------------------------- internals
@@ -154,6 +165,21 @@ class HsCaptureInstrumentor:
                 log.warning("%s.%s is already wrapped: left as it is", cls.__name__, attr)
         self._done.append((target, causal_lm, model_cls))
         log.debug("instrumented %s", target.module)
+
+
+    def _patch_requests(self, mod: Any) -> None:
+        req_cls = getattr(mod, REQUESTS.cls)
+
+        def req_init_wrapper(wrapped, instance, args, kwargs):
+            wrapped(*args, **kwargs)
+            requests_mod.on_new_request(instance)
+
+        if _wrap(req_cls, "__init__", req_init_wrapper) == "foreign":
+            log.warning("%s.__init__ is already wrapped: left as it is (every request is captured, the "
+                        "radix cache cannot be kept for captured requests)", req_cls.__name__)
+            return
+        self._requests = req_cls
+        requests_mod.set_hooked(True)
 
 
 def on_import(module: Any) -> None:

@@ -15,11 +15,12 @@ from hs_capture.dump.hst import dtype_name
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
-              hidden_size: int, prenorm: Optional[torch.Tensor] = None
+              hidden_size: int, prenorm: Optional[torch.Tensor] = None, keep: Optional[List[bool]] = None
               ) -> Tuple[IndexLine, Dict[str, torch.Tensor], List[int]]:
     """(the step's index line before the writer numbers it, tensors, the layers of the packed
     "aux" tensor's column blocks).
-    `current`: the layers SGLang captured in this forward (ours and the host's); `layers`: ours."""
+    `current`: the layers SGLang captured in this forward (ours and the host's); `layers`: ours.
+    `keep`: which of the batch's sequences the capture policy picked (None: all)."""
     seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
     prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
     rids = getattr(fb, "rids", None)
@@ -35,13 +36,38 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
             raise ValueError(f"the final norm's input has {prenorm.shape[0]} rows for {n} tokens")
         tensors[PRENORM] = prenorm[:n]
     aux_layers = _take_aux(tensors, aux, current, layers, hidden_size, n)
+    seqs = list(zip(rids, seq_lens, prefix))
+    if keep is not None:
+        if len(keep) != len(seqs):
+            raise ValueError(f"batch of {len(seqs)} sequences has {len(keep)} capture choices")
+        rows = _kept_rows(seq_lens, keep, hidden.device)
+        tensors = {name: t[rows] for name, t in tensors.items()}
+        seqs = [s for s, k in zip(seqs, keep) if k]
+        n = sum(length for _, length, _ in seqs)
     offsets, acc = [], 0
-    for length in seq_lens:
+    for _, length, _ in seqs:
         offsets.append(acc)
         acc += length
     line = step_line(mode, n, int(hidden.shape[0]), dtype_name(hidden.dtype),
-                     [SeqEntry(r, ln, p, o) for r, ln, p, o in zip(rids, seq_lens, prefix, offsets)])
+                     [SeqEntry(r, ln, p, o) for (r, ln, p), o in zip(seqs, offsets)])
     return line, tensors, aux_layers
+
+
+def _kept_rows(seq_lens: List[int], keep: List[bool], device: torch.device):
+    """The rows of the kept sequences: a slice where they are one run of rows (no gather
+    on the device), else an index tensor."""
+    spans, at = [], 0
+    for length, k in zip(seq_lens, keep):
+        if k:
+            if spans and spans[-1][1] == at:
+                spans[-1][1] = at + length
+            else:
+                spans.append([at, at + length])
+        at += length
+    if len(spans) == 1:
+        return slice(spans[0][0], spans[0][1])
+    index = torch.cat([torch.arange(a, b) for a, b in spans])
+    return index.to(device, non_blocking=True)
 
 
 def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], layers: List[int], h: int,

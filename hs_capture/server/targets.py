@@ -42,6 +42,16 @@ TARGETS: Tuple[Target, ...] = (
     Target("qwen3_moe", "sglang.srt.models.qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeModel", LAYER_FLAGS),
 )
 
+
+@dataclass(frozen=True)
+class RequestTarget:
+    module: str
+    cls: str  # its __init__ is where the capture policy judges a request (requests.py)
+
+
+REQUESTS = RequestTarget("sglang.srt.managers.schedule_batch", "Req")
+
+
 @dataclass(frozen=True)
 class Covered:
     """An architecture (config.json) captured through a target without being its class."""
