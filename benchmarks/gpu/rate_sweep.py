@@ -7,7 +7,15 @@ graphs). Each server gets a warm-up, then two timed sends with `hscap send -c 64
 256-640 tokens: `a` (the in-flight budget fills) and `b` (the steady state, reported). The
 state rate is set by what is captured: layers x 1024 x 2 bytes a token, plus the final state
 and, with --prenorm, the pre-norm state. Servers alternate with plain ones in one run; each
-`on` is compared with the mean of the plain servers of the run.
+`on` is compared with the mean of the plain servers just before and after it.
+
+The `chat-*` servers take production-like traffic instead, at SGLang's defaults with the radix
+(prefix) cache on: multi-turn conversations whose system prompt (1024 tokens, one of three) is
+shared, each turn sent when the one before is answered, 64 conversations at a time, by a
+client that marks nothing. `chat-off` is the plain server; `chat-5` and `chat-100` the hooked
+one keeping the radix cache (`hscap serve --keep-radix-cache`) capturing 5% of requests (by rid
+hash) and all of them; `chat-serve` is `hscap serve` as for a dataset (radix cache off). Each
+is compared with the mean of the plain chat servers.
 
 For each server the results hold the writer's closing counters (forward cost by cause, the
 wake-delay probe, raw and written bytes), the host's busy cores during the steady send, and the
@@ -22,9 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import random
 import shutil
 import sys
+import threading
 import time
+import urllib.request
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +57,13 @@ SERVERS: Dict[str, tuple] = {
     "pre3-thread-2": ("2,3,5", True, {"HSCAP_WRITER": "thread", "HSCAP_WRITER_THREADS": "2"}, "shm", "ab"),
     "pre3-raw": ("2,3,5", True, {"HSCAP_CODEC": "raw"}, "shm", "ab"),
     "pre3-disk": ("2,3,5", True, {}, "disk", "a"),
+    # production-like traffic, the radix cache on (see above)
+    "chat-off": (None, False, {}, "shm", "chat"),
+    "chat-5": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0.05"}, "shm", "chat"),
+    "chat-100": ("2,3,5", True, {}, "shm", "chat"),
+    "chat-serve": ("2,3,5", True, {"RADIX": "off"}, "shm", "chat"),
 }
+CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_SYSTEM, CHAT_CONCURRENCY = 600, 4, 1024, 64
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
 
 
@@ -63,6 +81,66 @@ def stage(root: str, texts: int) -> None:
     language.write_jsonl(os.path.join(data, "warm.jsonl"), g, "warm", 512, 256, 640, 7)
     language.write_jsonl(os.path.join(data, "a.jsonl"), g, "a", texts // 3, 256, 640, 8)
     language.write_jsonl(os.path.join(data, "b.jsonl"), g, "b", texts, 256, 640, 9)
+    chat = os.path.join(data, "chat.json")
+    if not os.path.exists(chat):
+        rng = random.Random(10)
+        systems = [g.text(rng, CHAT_SYSTEM) for _ in range(3)]
+        convs = [{"system": rng.randrange(3), "messages": [g.text(rng, rng.randint(32, 256))
+                                                           for _ in range(2 * CHAT_TURNS)]}
+                 for _ in range(CHAT_CONVERSATIONS + CHAT_CONCURRENCY)]
+        with open(chat + ".tmp", "w") as f:
+            json.dump({"systems": systems, "conversations": convs}, f)
+        os.replace(chat + ".tmp", chat)
+
+
+def send_chat(url: str, data: str, warm: bool) -> dict:
+    """The chat traffic (the first CHAT_CONCURRENCY conversations are the warm-up): each turn's
+    prompt is the system prompt and every message before it, sent once the turn before is
+    answered; nothing marks a request for capture."""
+    with open(os.path.join(data, "chat.json")) as f:
+        doc = json.load(f)
+    convs = doc["conversations"][:CHAT_CONCURRENCY] if warm else doc["conversations"][CHAT_CONCURRENCY:]
+    work: "queue.Queue[int]" = queue.Queue()
+    for i in range(len(convs)):
+        work.put(i)
+    totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "failed": 0}
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                i = work.get_nowait()
+            except queue.Empty:
+                return
+            c = convs[i]
+            prompt = list(doc["systems"][c["system"]])
+            for t in range(CHAT_TURNS):
+                prompt += c["messages"][2 * t]
+                body = json.dumps({"input_ids": prompt, "rid": f"chat-{'w' if warm else ''}{i}-{t}",
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
+                req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=600) as r:
+                        meta = json.loads(r.read()).get("meta_info", {})
+                    with lock:
+                        totals["requests"] += 1
+                        totals["prompt_tokens"] += len(prompt)
+                        totals["cached_tokens"] += int(meta.get("cached_tokens") or 0)
+                except Exception:
+                    with lock:
+                        totals["failed"] += 1
+                prompt += c["messages"][2 * t + 1]  # the assistant's answer, as the next turn sends it
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(CHAT_CONCURRENCY)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {"tokens_per_s": round(totals["prompt_tokens"] / wall, 1), "requests_per_s": round(totals["requests"] / wall, 1),
+            "computed_tokens_per_s": round((totals["prompt_tokens"] - totals["cached_tokens"]) / wall, 1),
+            "wall_s": round(wall, 2), **totals}
 
 
 class CoreMeter:
@@ -128,25 +206,35 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     base = "/dev/shm/hscap-sweep" if where == "shm" else os.path.join(work, "disk")
     dump = os.path.join(base, f"dump-{name}")
     shutil.rmtree(dump, ignore_errors=True)
+    chat = load == "chat"
+    keep = ["--keep-radix-cache"] if chat and extra_env.get("RADIX") != "off" else []
     if layers is None:
-        cmd = plain_command(os.path.join(work, "unused"), flags, env)
+        cmd = plain_command(os.path.join(work, "unused"), flags, env, keep)
     else:
-        cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--", *flags]
-        env.update(extra_env)
+        cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), *keep, "--", *flags]
+        env.update({k: v for k, v in extra_env.items() if k.startswith("HSCAP_")})
     log_path = os.path.join(work, f"server-{name}-{port}.log")
     res: Dict[str, object] = {"server": name, "layers": layers, "prenorm": prenorm, "env": extra_env, "dump_on": where,
                               "bytes_per_token": states_per_token(layers, prenorm) * HIDDEN * 2}
     srv = Server(cmd, env, log_path, port)
     try:
         res["startup_s"] = round(srv.wait_healthy(), 1)
-        hscap_json("send", os.path.join(data, "warm.jsonl"), "--url", srv.url, "-c", "64")
+        if chat:
+            send_chat(srv.url, data, warm=True)
+            with CoreMeter() as cores:
+                res["chat"] = send_chat(srv.url, data, warm=False)
+            res["chat"]["busy_cores"] = cores.busy_cores
+            load = ()
+        else:
+            hscap_json("send", os.path.join(data, "warm.jsonl"), "--url", srv.url, "-c", "64")
         for part in load:
             with CoreMeter() as cores:
                 s = hscap_json("send", os.path.join(data, f"{part}.jsonl"), "--url", srv.url, "-c", "64")
             res[part] = {"tokens_per_s": s.get("tokens_per_s"), "tokens": s.get("tokens"), "wall_s": s.get("wall_s"),
                          "failed": s.get("failed"), "busy_cores": cores.busy_cores}
-        res["tokens_per_s"] = res[load[-1]]["tokens_per_s"]
-        res["states_gbps"] = round((res["tokens_per_s"] or 0) * res["bytes_per_token"] / 1e9, 3)
+        res["tokens_per_s"] = res["chat"]["tokens_per_s"] if chat else res[load[-1]]["tokens_per_s"]
+        # chat: most prompt tokens come from the cache and only some requests are captured
+        res["states_gbps"] = None if chat else round((res["tokens_per_s"] or 0) * res["bytes_per_token"] / 1e9, 3)
         res["cpu_s"] = process_cpu(srv.proc.pid)
     finally:
         res["stop_s"] = round(srv.stop(), 1)
@@ -186,16 +274,26 @@ def verify(dump: str, a, work: str, data: str) -> dict:
 
 
 def summarize(res: dict) -> None:
-    offs = [s["tokens_per_s"] for s in res["servers"] if s["server"] == "off" and s.get("tokens_per_s")]
-    if not offs:
-        return
-    off = sum(offs) / len(offs)
-    res["off_tokens_per_s"] = [round(x) for x in offs]
-    res["summary"] = [{"server": s["server"], "states_gbps": s.get("states_gbps"),
-                       "on_over_off": round(s["tokens_per_s"] / off, 4), "dump_on": s["dump_on"],
-                       "writer": (s.get("writer") or {}).get("writer"),
-                       "held_s": ((s.get("writer") or {}).get("forward_cost") or {}).get("held_s")}
-                      for s in res["servers"] if s["server"] != "off" and s.get("tokens_per_s")]
+    """Each `on` server against the plain servers of its kind just before and after it (one of
+    them at the ends): a drift over the run does not land on the servers at one end."""
+    servers = [s for s in res["servers"] if s.get("tokens_per_s")]
+    plain = lambda s: s["server"] in ("off", "chat-off")  # noqa: E731
+    kind = lambda s: s["server"].startswith("chat-")  # noqa: E731
+    res["off_tokens_per_s"] = [round(s["tokens_per_s"]) for s in servers if s["server"] == "off"]
+    res["summary"] = []
+    for i, s in enumerate(servers):
+        if plain(s):
+            continue
+        before = [o for o in servers[:i] if plain(o) and kind(o) == kind(s)][-1:]
+        after = [o for o in servers[i + 1:] if plain(o) and kind(o) == kind(s)][:1]
+        offs = [o["tokens_per_s"] for o in before + after]
+        if not offs:
+            continue
+        res["summary"].append({"server": s["server"], "states_gbps": s.get("states_gbps"),
+                               "on_over_off": round(s["tokens_per_s"] / (sum(offs) / len(offs)), 4),
+                               "against": [round(x) for x in offs], "dump_on": s["dump_on"],
+                               "writer": (s.get("writer") or {}).get("writer"),
+                               "held_s": ((s.get("writer") or {}).get("forward_cost") or {}).get("held_s")})
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,7 +35,7 @@ import sys
 import threading
 import time
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -144,11 +146,15 @@ def hscap_json(*args: str, env: Optional[Dict[str, str]] = None) -> dict:
         raise RuntimeError(f"hscap {args[0]} exited {out.returncode}: {out.stdout[-2000:]} {out.stderr[-3000:]}")
 
 
-def plain_command(dump: str, flags: List[str], env: Dict[str, str]) -> List[str]:
-    """What `hscap serve` runs, without the hook (its own dry run says what)."""
-    dry = subprocess.run([*HSCAP, "serve", "-d", dump, "--dry-run", "--", *flags], cwd=REPO, env=env,
+def plain_command(dump: str, flags: List[str], env: Dict[str, str], serve_options: Sequence[str] = ()) -> List[str]:
+    """What `hscap serve` runs, without the hook (its own dry run says what: the settings it
+    would set, then the command)."""
+    dry = subprocess.run([*HSCAP, "serve", "-d", dump, *serve_options, "--dry-run", "--", *flags], cwd=REPO, env=env,
                          capture_output=True, text=True, check=True)
-    return dry.stdout.strip().splitlines()[-1].split()
+    words = shlex.split(dry.stdout.strip().splitlines()[-1])
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):
+        words.pop(0)
+    return words
 
 
 def commands(model: str, dump: str, port: int, kind: str, work: str, server_flags: List[str] = SERVER_FLAGS):
