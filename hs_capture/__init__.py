@@ -4,6 +4,7 @@
     server/   everything that runs inside SGLang (never imports offline/)
     offline/  send, merge, verify, the datasets (never imports server/ or sglang)
     cli/      the `hscap` commands, on top of both
+    patching/ the instrumentor both sides patch with (wrapt only: neither side, no torch)
     sitecustomize/  the hook's entry point on PYTHONPATH
 """
 

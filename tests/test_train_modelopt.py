@@ -61,13 +61,17 @@ def test_the_dump_items_through_modelopts_collator_equal_merged_ones(served_dump
 def test_check_names_an_unsupported_release_and_uninstrument_undoes_every_patch():
     code = """if True:
         import json, torch, modelopt, transformers.trainer as t
+        import modelopt.torch.speculative.eagle.utils as items
         from hs_capture.offline.trainers import modelopt as patch
         load, sampler = torch.load, t.Trainer._get_train_sampler
         supported = patch.check()
-        patch.instrument(None)
-        patched = torch.load is not load and t.Trainer._get_train_sampler is not sampler
-        patch.uninstrument()
-        restored = torch.load is load and t.Trainer._get_train_sampler is sampler
+        inst = patch.ModelOptPatch()
+        inst.instrument(None)
+        # the dataset's module alone loads through the patch: torch.load itself is left alone
+        patched = (items.torch is not torch and items.torch.load is not load and torch.load is load
+                   and t.Trainer._get_train_sampler is not sampler)
+        inst.uninstrument()
+        restored = items.torch is torch and torch.load is load and t.Trainer._get_train_sampler is sampler
         modelopt.__version__ = "0.46.0"
         print(json.dumps({"supported": supported, "unsupported": patch.check(), "patched": patched,
                           "restored": restored}))"""

@@ -28,6 +28,7 @@ from hs_capture import DumpDataset
 from hs_capture.cli import main
 from hs_capture.offline.formats.common import sample_file_stem
 from hs_capture.offline.trainers import specforge as patch
+from hs_capture.patching import owner_of
 from tests.sglang_cpu.harness import REPO
 
 AUX_IDS = [1, 2, 4]  # what merge prints for the served dump's layers 2,3,5
@@ -41,10 +42,13 @@ def target(tiny_target):
 
 @pytest.fixture
 def isolated():
-    """SpecForge's CLI sets the one-process rendezvous variables in os.environ; the patch is undone."""
+    """A SpecForge patch for the test, undone after it; SpecForge's CLI sets the one-process
+    rendezvous variables in os.environ, put back too."""
     saved = dict(os.environ)
-    yield
-    patch.uninstrument()
+    sf = patch.SpecForgePatch()
+    yield sf
+    if sf.is_instrumented:
+        sf.uninstrument()
     os.environ.clear()
     os.environ.update(saved)
 
@@ -63,6 +67,7 @@ def test_the_dump_gives_specforges_own_loader_the_batches_merged_files_give(serv
                                                                             isolated, monkeypatch):
     import specforge.cli
     import specforge.launch as launch
+    import specforge.runtime.data_plane.feature_store as store
     import specforge.training.trainer as trainer
 
     batch, workers, seed, max_length = 3, 2, 5, 256
@@ -94,7 +99,8 @@ def test_the_dump_gives_specforges_own_loader_the_batches_merged_files_give(serv
                 by_uri = {r.feature_store_uri: r for r in loader._refs}
                 loader._refs = [by_uri[file_of[u]] for u in runs[0][epoch][0]]
             epochs.append((own, list(loader)))
-        views = patch._dumps[dump].views if not runs else []
+        live = owner_of(vars(store)["load_feature_file"])  # the patch `hscap train` put on
+        views = live.dumps[dump].views if not runs else []
         runs.append(epochs + [[v.bytes_decoded for v in views]])
         return prepare_model(backend, *args, **kwargs)
 
@@ -108,7 +114,7 @@ def test_the_dump_gives_specforges_own_loader_the_batches_merged_files_give(serv
                                     "--config", yaml, *overrides])
     assert FSDP_STOP in res.output + repr(res.exception), res.output
     # from merge's files: SpecForge's own command, the patch on
-    patch.instrument(served_dump["data"])
+    isolated.instrument(served_dump["data"])
     yaml = run_yaml(str(tmp_path / "merged.yaml"), target, merged, str(tmp_path / "out-merged"))
     with pytest.raises(RuntimeError, match=FSDP_STOP):
         specforge.cli.main(["train", "--config", yaml, *overrides])
@@ -154,7 +160,7 @@ def test_every_rank_and_worker_process_reads_the_dump(served_dump, target, tmp_p
     import specforge.launch as launch
     from specforge.runtime.data_plane.offline_reader import OfflineManifestReader
 
-    patch.instrument(served_dump["data"])
+    isolated.instrument(served_dump["data"])
     dump = os.path.abspath(served_dump["dir"])
     ds = DumpDataset(dump, served_dump["data"], keys="specforge")
     refs = OfflineManifestReader(dump).read()
@@ -225,10 +231,10 @@ def test_check_names_what_cannot_be_patched_and_uninstrument_undoes_every_patch(
 
     assert patch.check() is None
     before = (store.load_feature_file, reader.list_feature_files, launch._shard_offline_refs)
-    patch.instrument(None)
+    isolated.instrument(None)
     assert all(a is not b for a, b in zip(before, (store.load_feature_file, reader.list_feature_files,
                                                    launch._shard_offline_refs)))
-    patch.uninstrument()
+    isolated.uninstrument()
     assert (store.load_feature_file, reader.list_feature_files, launch._shard_offline_refs) == before
 
     real = importlib.metadata.version

@@ -66,9 +66,10 @@ def patched(spec):
     from speculators.train.data import ArrowDataset
 
     before = dataloader.DataLoader, vars(ArrowDataset)["__init__"]
-    sp.instrument(spec["order"])
-    yield
-    sp.uninstrument()
+    inst = sp.SpeculatorsPatch()
+    inst.instrument(spec["order"])
+    yield inst
+    inst.uninstrument()
     assert (dataloader.DataLoader, vars(ArrowDataset)["__init__"]) == before
 
 
@@ -169,12 +170,13 @@ def test_each_data_parallel_rank_reads_its_own_rows_and_all_step_together(spec, 
 def test_without_the_dataset_that_was_sent_it_says_what_to_give(spec):
     from hs_capture.offline.reader import DumpError
 
-    sp.instrument(None)  # DATA's rows would be ids "0".."N-1"; the dump's are the JSONL's
+    inst = sp.SpeculatorsPatch()
+    inst.instrument(None)  # DATA's rows would be ids "0".."N-1"; the dump's are the JSONL's
     try:
         with pytest.raises(DumpError, match="holds none of the samples of .*hscap train --dataset"):
             loaders(spec, spec["dump"])
     finally:
-        sp.uninstrument()
+        inst.uninstrument()
 
 
 def test_a_row_the_dump_lacks_is_named_and_left_out(spec, tmp_path, caplog):
@@ -182,12 +184,13 @@ def test_a_row_the_dump_lacks_is_named_and_left_out(spec, tmp_path, caplog):
     rows[0]["id"] = "never-sent"
     jsonl = tmp_path / "order.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sp.instrument(str(jsonl))
+    inst = sp.SpeculatorsPatch()
+    inst.instrument(str(jsonl))
     try:
         with caplog.at_level("WARNING", logger=sp.__name__):
             train, _ = loaders(spec, spec["dump"])
     finally:
-        sp.uninstrument()
+        inst.uninstrument()
     n = len(train.dataset)
     assert f"1 of {n} rows (0..{n - 1}) of {spec['data']} are not whole in the dump" in caplog.text
     assert sorted(int(i) for b in train.batch_sampler for i in b) == list(range(1, n))

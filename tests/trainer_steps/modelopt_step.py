@@ -109,9 +109,10 @@ def from_dump(a) -> dict:
 
     from hs_capture.offline.trainers import modelopt as patch
 
-    patch.instrument(a.dataset)
+    inst = patch.ModelOptPatch()
+    inst.instrument(a.dataset)
     data_args = types.SimpleNamespace(mode="offline", offline_data_path=a.data, sample_size=-1)
-    module = patch.data_module(None, data_args, train_len=a.train_len, answer_only_loss=True)
+    module = inst.data_module(None, data_args, train_len=a.train_len, answer_only_loss=True)
     ds = module["train_dataset"]
     out = {"samples": len(ds), "dataset": type(ds).__module__ + "." + type(ds).__name__,
            "dumped_files": type(ds.dumped_files).__name__}

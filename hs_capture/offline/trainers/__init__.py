@@ -1,6 +1,7 @@
 """Runtime patches that let a trainer read its offline data straight from a dump (`hscap train`):
-one module per trainer, each with NAME, check(), instrument(dataset), uninstrument() and
-main(argv) (the trainer's own entry point). A module imports its trainer only when called."""
+one module per trainer, each with NAME, check(), PATCH (its patching.TrainerPatch: an object
+holding the patch's state, `PATCH().instrument(dataset)`, `.uninstrument()`) and main(argv)
+(the trainer's own entry point). A module imports its trainer only when called."""
 
 from __future__ import annotations
 

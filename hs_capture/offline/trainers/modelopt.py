@@ -10,8 +10,10 @@ and `data.offline_data_path=DIR`. There, `eagle_utils.make_speculative_data_modu
   the listing   `eagle_utils.make_speculative_data_module` (a post-import hook: the checkout is a
                 script directory, not a package) builds ModelOpt's own dataset and collator over
                 the dump's samples instead of globbing files (`data_module` below);
-  the load      `torch.load` given one of those samples returns `DumpDataset(keys="modelopt")[i]`,
-                exactly what torch.load of merge's .pt gives, so ModelOpt's per-item code runs on it;
+  the load      the `torch` OfflineSupervisedDataset's module calls load on (that module's binding
+                alone: torch.load itself is untouched) given one of those samples returns
+                `DumpDataset(keys="modelopt")[i]`, exactly what torch.load of merge's .pt gives, so
+                ModelOpt's per-item code runs on it;
   the sampler   `transformers.Trainer._get_train_sampler` returns `DumpDataset.sampler(...)` with
                 the trainer's batch size, workers, seed and drop_last, so each step file is
                 decoded about once (several processes: see _Interleaved).
@@ -25,24 +27,24 @@ Any other path, dataset or call goes to ModelOpt untouched.
 
 from __future__ import annotations
 
+import inspect
 import os
 import runpy
 import sys
 from collections.abc import Sequence
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 
+import wrapt
+
 from hs_capture.dump.paths import holds_dump
 from hs_capture.offline.dump_dataset import DumpDataset
 from hs_capture.offline.step_sampler import StepWindowSampler
 from hs_capture.offline.reader import DumpError
-from hs_capture.offline.trainers.patching import Patches
+from hs_capture.offline.trainers.patching import Point, TrainerPatch
 
 NAME = "modelopt"
 SUPPORTED = ("0.47.",)  # releases whose OfflineSupervisedDataset loads one torch.load dict per item
-
-_dataset: Optional[str] = None  # the JSONL given to `hscap send` (loss masks), from instrument()
-_instrumented = False
-_patches = Patches()  # undone by uninstrument()
+ITEMS = "modelopt.torch.speculative.eagle.utils"  # OfflineSupervisedDataset's module: its `torch` loads each item
 
 
 def check() -> Optional[str]:
@@ -56,8 +58,12 @@ def check() -> Optional[str]:
     if not version.startswith(SUPPORTED):
         return (f"nvidia-modelopt {version} is not supported: the dump patch knows "
                 f"{', '.join(v + 'x' for v in SUPPORTED)} (whose OfflineSupervisedDataset torch.loads one .pt per item)")
-    if "dumped_files" not in OfflineSupervisedDataset.__init__.__code__.co_varnames:
+    if "dumped_files" not in inspect.signature(OfflineSupervisedDataset.__init__).parameters:
         return f"nvidia-modelopt {version}: OfflineSupervisedDataset takes no dumped_files list"
+    import torch
+
+    if getattr(sys.modules[ITEMS], "torch", None) is not torch:
+        return f"nvidia-modelopt {version}: {ITEMS} binds no `torch` of its own to load the dump's samples through"
     if not callable(getattr(Trainer, "_get_train_sampler", None)):
         return "transformers' Trainer has no _get_train_sampler to hand the dump's sampler to"
     return None
@@ -87,45 +93,6 @@ class _Samples(Sequence):
             return self.dump.sampler(**kw)
         windows = [[i for i in w if i < self.n] for w in self.dump.windows]
         return StepWindowSampler([w for w in windows if w], **kw)
-
-
-def data_module(tokenizer: Any, data_args: Any, train_len: Optional[int] = None, answer_only_loss: bool = False,
-                shift_labels: bool = True) -> Dict[str, Any]:
-    """ModelOpt 0.47's offline branch of make_speculative_data_module (same arguments; that branch
-    ignores shift_labels too) with the dump's samples as its file list: its own
-    OfflineSupervisedDataset (per-item code) and EagleOfflineDataCollator."""
-    from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
-
-    if answer_only_loss and _dataset is None:
-        # without the dataset every loss_mask is all ones: answer-only would silently train on every token
-        raise DumpError("training.answer_only_loss needs the dataset's loss masks: give `hscap train --dataset JSONL`")
-    sample_size = getattr(data_args, "sample_size", -1)  # -1 or a positive count: its recipe checks
-    dump = DumpDataset(data_args.offline_data_path, _dataset, keys="modelopt")
-    if not len(dump):
-        raise DumpError(f"no whole sample in the dump {data_args.offline_data_path}")
-    n = len(dump) if sample_size < 0 else min(sample_size, len(dump))
-    return {"train_dataset": OfflineSupervisedDataset(_Samples(dump, n), answer_only_loss=answer_only_loss,
-                                                      tokenizer=tokenizer),
-            "data_collator": EagleOfflineDataCollator(train_len=train_len)}
-
-
-def _data_args(tokenizer: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
-    return data_args
-
-
-def _make_data_module(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
-    data_args = _data_args(*args, **kwargs)
-    path = getattr(data_args, "offline_data_path", None)
-    if getattr(data_args, "mode", None) != "offline" or not path or not holds_dump(str(path)):
-        return wrapped(*args, **kwargs)
-    return data_module(*args, **kwargs)
-
-
-def _load(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    f = args[0] if args else kwargs.get("f")
-    if isinstance(f, _Sample):
-        return f.dump[f.index]
-    return wrapped(*args, **kwargs)
 
 
 class _Interleaved:
@@ -164,53 +131,78 @@ class _Interleaved:
             s.set_epoch(epoch)
 
 
-def _train_sampler(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    dataset = (args[0] if args else kwargs.get("train_dataset")) or instance.train_dataset
-    files = getattr(dataset, "dumped_files", None)
-    if not isinstance(files, _Samples):
-        return wrapped(*args, **kwargs)
-    a = instance.args
-    kw = dict(batch_size=instance._train_batch_size, num_workers=a.dataloader_num_workers,
-              shuffle=getattr(a, "train_sampling_strategy", "random") != "sequential",
-              seed=a.data_seed if a.data_seed is not None else a.seed, drop_last=a.dataloader_drop_last)
-    # accelerate, not torch.distributed, says how many processes share the data (and it shards the
-    # sampler the Trainer gives it)
-    world = instance.accelerator.num_processes
-    if world == 1:
-        return files.sampler(rank=0, world_size=1, **kw)
-    return _Interleaved([files.sampler(rank=r, world_size=world, **kw) for r in range(world)],
-                        instance._train_batch_size, a.dataloader_drop_last)
+class _LoadingTorch(wrapt.ObjectProxy):
+    """The `torch` of OfflineSupervisedDataset's module alone: its load, given a sample of a
+    dump, returns the sample; torch itself, and every other caller's torch.load, are untouched."""
+
+    def load(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, _Sample):
+            return f.dump[f.index]
+        return self.__wrapped__.load(f, *args, **kwargs)
 
 
-def _on_eagle_utils(module: Any) -> None:
-    # ModelOpt's checkout, imported as a top-level module by main.py (which then binds the name)
-    if _instrumented and callable(getattr(module, "make_speculative_data_module", None)):
-        _patches.wrap(module, "make_speculative_data_module", _make_data_module)
+def _data_args(tokenizer: Any, data_args: Any, *args: Any, **kwargs: Any) -> Any:
+    return data_args
 
 
-def _on_trainer(module: Any) -> None:
-    if _instrumented:
-        _patches.wrap(module.Trainer, "_get_train_sampler", _train_sampler)
+class ModelOptPatch(TrainerPatch):
+    """ModelOpt's patch: its state is the dataset given (the loss masks)."""
+
+    NAME = NAME
+    # the checkout's eagle_utils is a script directory's module, imported by main.py as `eagle_utils`
+    POINTS = (Point("eagle_utils", "make_speculative_data_module", "_make_data_module"),
+              Point(ITEMS, "torch", "_loading_torch", proxy=True),
+              Point("transformers.trainer", "Trainer._get_train_sampler", "_train_sampler"))
+
+    def data_module(self, tokenizer: Any, data_args: Any, train_len: Optional[int] = None,
+                    answer_only_loss: bool = False, shift_labels: bool = True) -> Dict[str, Any]:
+        """ModelOpt 0.47's offline branch of make_speculative_data_module (same arguments; that branch
+        ignores shift_labels too) with the dump's samples as its file list: its own
+        OfflineSupervisedDataset (per-item code) and EagleOfflineDataCollator."""
+        from modelopt.torch.speculative.eagle.utils import EagleOfflineDataCollator, OfflineSupervisedDataset
+
+        if answer_only_loss and self.dataset is None:
+            # without the dataset every loss_mask is all ones: answer-only would silently train on every token
+            raise DumpError("training.answer_only_loss needs the dataset's loss masks: give `hscap train --dataset "
+                            "JSONL`")
+        sample_size = getattr(data_args, "sample_size", -1)  # -1 or a positive count: its recipe checks
+        dump = DumpDataset(data_args.offline_data_path, self.dataset, keys="modelopt")
+        if not len(dump):
+            raise DumpError(f"no whole sample in the dump {data_args.offline_data_path}")
+        n = len(dump) if sample_size < 0 else min(sample_size, len(dump))
+        return {"train_dataset": OfflineSupervisedDataset(_Samples(dump, n), answer_only_loss=answer_only_loss,
+                                                          tokenizer=tokenizer),
+                "data_collator": EagleOfflineDataCollator(train_len=train_len)}
+
+    def _make_data_module(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Dict[str, Any]:
+        data_args = _data_args(*args, **kwargs)
+        path = getattr(data_args, "offline_data_path", None)
+        if getattr(data_args, "mode", None) != "offline" or not path or not holds_dump(str(path)):
+            return wrapped(*args, **kwargs)
+        return self.data_module(*args, **kwargs)
+
+    def _loading_torch(self, torch: Any) -> Any:
+        return _LoadingTorch(torch)
+
+    def _train_sampler(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        dataset = (args[0] if args else kwargs.get("train_dataset")) or instance.train_dataset
+        files = getattr(dataset, "dumped_files", None)
+        if not isinstance(files, _Samples):
+            return wrapped(*args, **kwargs)
+        a = instance.args
+        kw = dict(batch_size=instance._train_batch_size, num_workers=a.dataloader_num_workers,
+                  shuffle=getattr(a, "train_sampling_strategy", "random") != "sequential",
+                  seed=a.data_seed if a.data_seed is not None else a.seed, drop_last=a.dataloader_drop_last)
+        # accelerate, not torch.distributed, says how many processes share the data (and it shards the
+        # sampler the Trainer gives it)
+        world = instance.accelerator.num_processes
+        if world == 1:
+            return files.sampler(rank=0, world_size=1, **kw)
+        return _Interleaved([files.sampler(rank=r, world_size=world, **kw) for r in range(world)],
+                            instance._train_batch_size, a.dataloader_drop_last)
 
 
-def instrument(dataset: Optional[str]) -> None:
-    import torch
-    import wrapt
-
-    global _dataset, _instrumented
-    _dataset = dataset
-    if _instrumented:
-        return
-    _instrumented = True
-    _patches.wrap(torch, "load", _load)
-    wrapt.register_post_import_hook(_on_eagle_utils, "eagle_utils")
-    wrapt.register_post_import_hook(_on_trainer, "transformers.trainer")
-
-
-def uninstrument() -> None:
-    global _dataset, _instrumented
-    _patches.restore()
-    _dataset, _instrumented = None, False  # hooks still pending on an import do nothing now
+PATCH = ModelOptPatch
 
 
 def main(argv: List[str]) -> None:

@@ -1,41 +1,75 @@
-"""What the trainer patches share: the attributes one patch replaced, to put back, and running a
-trainer's entry point with its patch on, a damaged dump ending it in one line."""
+"""What the trainer patches share: the instrumentor each is (hs_capture.patching's, with the
+points it wraps), and running a trainer's entry point with its patch on, a damaged dump ending
+it in one line."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 import sys
 from types import ModuleType
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 from hs_capture.offline.reader import DumpError
+from hs_capture.patching import Instrumentor, where
 
 
 class Unsupported(Exception):
     """What a patch found, while the trainer ran, that it cannot work with: one line."""
 
 
-class Patches:
-    """The (owner, attribute, original) one instrumentor replaced with wrapt FunctionWrappers."""
+class Point(NamedTuple):
+    """One place a trainer patch changes: once `module` is imported, its attribute `path` (a
+    name, or Class.name: wrapped on the class that defines it) is wrapped by the patch's method
+    `handler`; with proxy=True that method makes the proxy put in its place instead."""
+    module: str
+    path: str
+    handler: str
+    proxy: bool = False
+
+
+class TrainerPatch(Instrumentor):
+    """A trainer's patch: `instrument(dataset)` wraps its POINTS (post-import hooks, so a module
+    the trainer imports later is patched too), its state lives in the object, `uninstrument()`
+    puts every original back. A point someone else already wrapped stops it (Unsupported): a
+    trainer reading merge's file names from a dump would fail later, less clearly."""
+
+    NAME = ""
+    POINTS: Tuple[Point, ...] = ()
+    log = logging.getLogger("hs_capture.offline.trainers")
 
     def __init__(self) -> None:
-        self._done: List[Tuple[Any, str, Any]] = []
+        super().__init__()
+        self.dataset: Optional[str] = None  # the JSONL given to `hscap send`
 
-    def wrap(self, owner: Any, attr: str, wrapper: Callable) -> None:
-        """Wrap owner.attr once (a second instrument() finds it wrapped)."""
-        import wrapt
+    def instrument(self, dataset: Optional[str] = None) -> bool:  # type: ignore[override]
+        return super().instrument(dataset=dataset)
 
-        if any(o is owner and a == attr for o, a, _ in self._done):
-            return
-        # a class's own attribute as stored (a staticmethod stays one); else by name
-        original = vars(owner)[attr] if isinstance(owner, type) and attr in vars(owner) else getattr(owner, attr)
-        setattr(owner, attr, wrapt.FunctionWrapper(original, wrapper))
-        self._done.append((owner, attr, original))
+    def _instrument(self, dataset: Optional[str] = None) -> None:
+        self.dataset = dataset
+        for point in self.POINTS:
+            self.when_imported(point.module, functools.partial(self._patch, point))
 
-    def restore(self) -> None:
-        for owner, attr, original in reversed(self._done):
-            setattr(owner, attr, original)
-        self._done.clear()
+    def _uninstrument(self) -> None:
+        self.dataset = None
+
+    def _patch(self, point: Point, module: Any) -> None:
+        *classes, attr = point.path.split(".")
+        owner = module
+        for name in classes:
+            owner = getattr(owner, name, None)
+        if owner is None or not hasattr(owner, attr):
+            return  # not this trainer's module after all (check() names what a release lacks)
+        handler = getattr(self, point.handler)
+        if point.proxy:
+            self.replace(owner, attr, handler)
+        else:
+            self.wrap(owner, attr, handler)
+
+    def on_refused(self, owner: Any, attr: str, current: Any, note: str) -> None:
+        raise Unsupported(f"{where(owner, attr)} is already wrapped by {self.whose(current)}: the {self.NAME} "
+                          "dump patch does not wrap a wrapper (turn off what wrapped it)")
 
 
 def one_line(e: BaseException) -> str:
@@ -51,13 +85,15 @@ def run(patch: ModuleType, dataset: Optional[str], argv: List[str]) -> Optional[
     problem = patch.check()
     if problem:
         return problem
-    patch.instrument(dataset)
+    instrumentor = patch.PATCH()
     try:
+        instrumentor.instrument(dataset)
         patch.main(argv)
     except (DumpError, Unsupported) as e:
         return one_line(e)
     finally:
-        patch.uninstrument()
+        if instrumentor.is_instrumented:
+            instrumentor.uninstrument()
     return None
 
 

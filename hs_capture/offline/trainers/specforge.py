@@ -80,51 +80,44 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hs_capture.offline.trainers.patching import Patches, worker_main
+from hs_capture.offline.trainers.patching import Point, TrainerPatch, worker_main
 
 NAME = "specforge"
 SUPPORTED = ("0.2.",)  # releases whose offline data path is OfflineManifestReader + LocalFeatureStore
 MARK = "#hscap-sample="  # the listed name of sample i of a dump: <dump>#hscap-sample=<i>
 
-_dataset: Optional[str] = None  # the JSONL given to `hscap send`, from instrument()
-_instrumented = False
-_patches = Patches()  # undone by uninstrument()
-_dumps: Dict[str, "_Dump"] = {}  # abspath of a dump -> its samples, opened once per process
-_sharding: "contextvars.ContextVar[Optional[_Dump]]" = contextvars.ContextVar("hscap_sharding", default=None)
-_tokens_only: "contextvars.ContextVar[bool]" = contextvars.ContextVar("hscap_tokens_only", default=False)
-
-# (module, attribute, wrapper name): every place SpecForge 0.2 binds what instrument() wraps
+# every place SpecForge 0.2 binds what instrument() wraps, and the method that wraps it
 _POINTS = (
-    ("specforge.runtime.data_plane.feature_store", "load_feature_file", "_load"),
-    ("specforge.runtime.data_plane.offline_reader", "load_feature_file", "_load"),
-    ("specforge.runtime.data_plane.offline_reader", "list_feature_files", "_list"),
-    ("specforge.runtime.data_plane.disagg_ingest", "load_feature_file", "_load"),
-    ("specforge.runtime.data_plane.disagg_ingest", "list_feature_files", "_list"),
-    ("specforge.launch", "build_offline_runtime", "_runtime"),
-    ("specforge.launch", "_shard_offline_refs", "_shard"),
-    ("specforge.launch", "_distributed_sampler_indices", "_indices"),
-    ("specforge.training.assembly", "_ensure_offline_vocab_mapping", "_vocab_mapping"),
-    ("specforge.launch_plan", "build_launch_plan", "_launch_plan"),
+    Point("specforge.runtime.data_plane.feature_store", "load_feature_file", "_load"),
+    Point("specforge.runtime.data_plane.offline_reader", "load_feature_file", "_load"),
+    Point("specforge.runtime.data_plane.offline_reader", "list_feature_files", "_list"),
+    Point("specforge.runtime.data_plane.disagg_ingest", "load_feature_file", "_load"),
+    Point("specforge.runtime.data_plane.disagg_ingest", "list_feature_files", "_list"),
+    Point("specforge.launch", "build_offline_runtime", "_runtime"),
+    Point("specforge.launch", "_shard_offline_refs", "_shard"),
+    Point("specforge.launch", "_distributed_sampler_indices", "_indices"),
+    Point("specforge.training.assembly", "_ensure_offline_vocab_mapping", "_vocab_mapping"),
+    Point("specforge.launch_plan", "build_launch_plan", "_launch_plan"),
 )
 
 
 def check() -> Optional[str]:
     try:
         version = importlib.metadata.version("specforge")
-        modules = {m: importlib.import_module(m) for m, _, _ in _POINTS}
+        modules = {p.module: importlib.import_module(p.module) for p in _POINTS}
     except (ImportError, importlib.metadata.PackageNotFoundError) as e:
         return f"SpecForge's training code cannot be imported: {e}"
     if not version.startswith(SUPPORTED):
         return (f"specforge {version} is not supported: the dump patch knows "
                 f"{', '.join(v + 'x' for v in SUPPORTED)} (whose offline data is listed by "
                 "list_feature_files and loaded by load_feature_file, one file per sample)")
-    missing = [f"{m}.{a}" for m, a, _ in _POINTS if not callable(getattr(modules[m], a, None))]
+    missing = [f"{m}.{a}" for m, a, _, _ in _POINTS if not callable(getattr(modules[m], a, None))]
     if missing:
         return f"specforge {version}: no {', '.join(missing)} to patch"
     wanted = {"build_offline_runtime": {"hidden_states_path", "batch_size", "dataloader_num_workers"},
               "_distributed_sampler_indices": {"dp_rank", "dp_size", "seed", "epoch", "shuffle"},
               "build_launch_plan": {"worker_prefix", "torchrun_prefix"}}
-    for m, a, _ in _POINTS:
+    for m, a, _, _ in _POINTS:
         lacks = wanted.get(a, set()) - set(inspect.signature(getattr(modules[m], a)).parameters)
         if lacks:
             return f"specforge {version}: {m}.{a} takes no {', '.join(sorted(lacks))}"
@@ -136,8 +129,9 @@ class _Dump:
     while batches k+1..k+N-1 are in flight, so batch k goes to view k mod N, each a DumpDataset
     with its own decode cache, as DataLoader worker k mod N would (what ds.sampler orders for)."""
 
-    def __init__(self, ds: Any) -> None:
+    def __init__(self, ds: Any, tokens_only: "contextvars.ContextVar[bool]") -> None:
         self.ds = ds
+        self.tokens_only = tokens_only  # set while the vocab map is counted: no state decoded
         # listed in the order SpecForge lists merge's files (by name), so its sample numbering
         # and its vocab map (whose ties fall in listing order) are those merge's output gets
         name = [ds.format.file_name(rid, ds.row_of(rid)) for rid in ds.rids]
@@ -161,7 +155,7 @@ class _Dump:
         return order
 
     def __getitem__(self, i: int) -> Dict[str, Any]:
-        if _tokens_only.get() and self.ds.inputs is not None:
+        if self.tokens_only.get() and self.ds.inputs is not None:
             return self.tokens(i)
         v = self.view_of.get(i, 0)
         with self.locks[v]:  # a view's cache is not thread-safe; in order each is used by one thread
@@ -177,169 +171,154 @@ class _Dump:
                 "loss_mask": torch.tensor(mask if mask is not None else [1] * len(ids), dtype=torch.int64)}
 
 
-def _open(path: Optional[str]) -> Optional[_Dump]:
-    """The dump at `path` (opened once), or None when the path holds no dump."""
-    from hs_capture.dump.paths import holds_dump
-
-    if not path or not holds_dump(str(path)):
-        return None
-    key = os.path.abspath(str(path))
-    if key not in _dumps:
-        from hs_capture.offline.dump_dataset import DumpDataset
-        from hs_capture.offline.reader import DumpError
-
-        ds = DumpDataset(key, _dataset, keys="specforge")
-        if not len(ds):
-            raise DumpError(f"no whole sample in the dump {path} ({len(ds.incomplete)} incomplete: "
-                            "hscap verify names them)")
-        _dumps[key] = _Dump(ds)
-    return _dumps[key]
-
-
-def _sample(path: Any) -> Optional[Tuple[_Dump, int]]:
-    """(dump, index) for a name _list gave, else None."""
-    if not isinstance(path, str):
-        return None
-    base, mark, index = path.rpartition(MARK)
-    if not mark or base not in _dumps or not index.isdigit():
-        return None
-    return _dumps[base], int(index)
-
-
 def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
     return args[i] if len(args) > i else kwargs.get(name)
 
 
-# ------------------------------------------------------------------ the wrappers
-def _list(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> List[str]:
-    dump = _open(_arg(args, kwargs, 0, "path"))
-    if dump is None:
+class SpecForgePatch(TrainerPatch):
+    """The patch's state, which the wrappers below read: the dumps it opened (once each) and two
+    context flags, the dump whose refs SpecForge is sharding now, and whether it is counting
+    the vocab map's tokens (token ids only, no state decoded)."""
+
+    NAME = NAME
+    POINTS = _POINTS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dumps: Dict[str, _Dump] = {}  # abspath of a dump -> its samples
+        self.sharding: "contextvars.ContextVar[Optional[_Dump]]" = contextvars.ContextVar("hscap_sharding",
+                                                                                            default=None)
+        self.tokens_only: "contextvars.ContextVar[bool]" = contextvars.ContextVar("hscap_tokens_only",
+                                                                                   default=False)
+
+    def _uninstrument(self) -> None:
+        self.dumps.clear()
+        super()._uninstrument()
+
+    def open(self, path: Optional[str]) -> Optional[_Dump]:
+        """The dump at `path` (opened once), or None when the path holds no dump."""
+        from hs_capture.dump.paths import holds_dump
+
+        if not path or not holds_dump(str(path)):
+            return None
+        key = os.path.abspath(str(path))
+        if key not in self.dumps:
+            from hs_capture.offline.dump_dataset import DumpDataset
+            from hs_capture.offline.reader import DumpError
+
+            ds = DumpDataset(key, self.dataset, keys="specforge")
+            if not len(ds):
+                raise DumpError(f"no whole sample in the dump {path} ({len(ds.incomplete)} incomplete: "
+                                "hscap verify names them)")
+            self.dumps[key] = _Dump(ds, self.tokens_only)
+        return self.dumps[key]
+
+    def sample(self, path: Any) -> Optional[Tuple[_Dump, int]]:
+        """(dump, index) for a name _list gave, else None."""
+        if not isinstance(path, str):
+            return None
+        base, mark, index = path.rpartition(MARK)
+        if not mark or base not in self.dumps or not index.isdigit():
+            return None
+        return self.dumps[base], int(index)
+
+    # -------------------------------------------------------------- the wrappers
+    def _list(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> List[str]:
+        dump = self.open(_arg(args, kwargs, 0, "path"))
+        if dump is None:
+            return wrapped(*args, **kwargs)
+        base = os.path.abspath(str(_arg(args, kwargs, 0, "path")))
+        return [f"{base}{MARK}{i}" for i in dump.listing]
+
+    def _load(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        found = self.sample(_arg(args, kwargs, 0, "path"))
+        if found is None:
+            return wrapped(*args, **kwargs)
+        dump, i = found
+        return dump[i]
+
+    def _runtime(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        for path in (a["hidden_states_path"], a.get("eval_hidden_states_path")):
+            dump = self.open(path)
+            if dump is not None:  # the sampler must cut the batches the loader cuts
+                dump.batch_size, dump.num_workers = a["batch_size"], a["dataloader_num_workers"]
         return wrapped(*args, **kwargs)
-    base = os.path.abspath(str(_arg(args, kwargs, 0, "path")))
-    return [f"{base}{MARK}{i}" for i in dump.listing]
 
+    def _dump_of(self, refs: Sequence[Any]) -> Optional[_Dump]:
+        """The dump when refs are exactly its samples as listed (the sampler's order maps onto them)."""
+        found = [self.sample(str(getattr(r, "feature_store_uri", ""))[len("file://"):]) for r in refs]
+        if not found or found[0] is None:
+            return None
+        dump = found[0][0]
+        if len(refs) != len(dump.ds) or any(f != (dump, i) for f, i in zip(found, dump.listing)):
+            return None
+        return dump
 
-def _load(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    found = _sample(_arg(args, kwargs, 0, "path"))
-    if found is None:
-        return wrapped(*args, **kwargs)
-    dump, i = found
-    return dump[i]
+    def _shard(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        refs = list(_arg(args, kwargs, 0, "refs"))
+        rest = {k: v for k, v in kwargs.items() if k != "refs"}
+        token = self.sharding.set(self._dump_of(refs))  # SpecForge resolves the dp rank, then asks _indices
+        try:
+            return wrapped(refs, *args[1:], **rest)
+        finally:
+            self.sharding.reset(token)
 
+    def _indices(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> List[int]:
+        dump = self.sharding.get()
+        if dump is None:
+            return wrapped(*args, **kwargs)
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        order = dump.order(seed=int(a["seed"]), epoch=int(a["epoch"]), shuffle=bool(a["shuffle"]),
+                           rank=int(a["dp_rank"]), world_size=int(a["dp_size"]))
+        return [dump.position[i] for i in order]  # the places of those samples among the refs
 
-def _runtime(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    for path in (a["hidden_states_path"], a.get("eval_hidden_states_path")):
-        dump = _open(path)
-        if dump is not None:  # the sampler must cut the batches the loader cuts
-            dump.batch_size, dump.num_workers = a["batch_size"], a["dataloader_num_workers"]
-    return wrapped(*args, **kwargs)
+    def _vocab_mapping(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> None:
+        cfg, bundle, algorithm = (_arg(args, kwargs, i, n) for i, n in enumerate(("cfg", "bundle", "algorithm")))
+        path = cfg.data.hidden_states_path
+        if self.open(path) is None:
+            return wrapped(*args, **kwargs)
+        from specforge.algorithms.contracts import FeatureMode
+        from specforge.training.assembly import _install_dataset_vocab_mapping
+        from specforge.training.vocab_mapping import count_effective_feature_tokens
 
-
-def _dump_of(refs: Sequence[Any]) -> Optional[_Dump]:
-    """The dump when refs are exactly its samples as listed (the sampler's order maps onto them)."""
-    found = [_sample(str(getattr(r, "feature_store_uri", ""))[len("file://"):]) for r in refs]
-    if not found or found[0] is None:
+        # the original's own conditions: it would return before counting
+        if (FeatureMode.OFFLINE not in algorithm.providers.vocab_mapping_modes or cfg.model.vocab_mapping_path
+                or bundle.draft_vocab_size == bundle.target_vocab_size):
+            return None
+        token = self.tokens_only.set(True)
+        try:
+            counts = count_effective_feature_tokens(path, max_length=cfg.data.max_length,
+                                                    target_vocab_size=bundle.target_vocab_size)
+        finally:
+            self.tokens_only.reset(token)
+        # the original keys its cache by file stats; a dump's samples are no files, and the map is
+        # a function of these counts in their order (ties fall in listing order)
+        identity = json.dumps({"kind": "hscap-dump-v1", "counts": list(counts.items()),
+                               "max_length": cfg.data.max_length})
+        _install_dataset_vocab_mapping(cfg, bundle, counts=counts, dataset_identity=identity)
         return None
-    dump = found[0][0]
-    if len(refs) != len(dump.ds) or any(f != (dump, i) for f, i in zip(found, dump.listing)):
-        return None
-    return dump
 
+    def _launch_plan(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        from hs_capture.dump.paths import holds_dump
 
-def _shard(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    refs = list(_arg(args, kwargs, 0, "refs"))
-    rest = {k: v for k, v in kwargs.items() if k != "refs"}
-    token = _sharding.set(_dump_of(refs))  # SpecForge resolves the dp rank, then asks _indices
-    try:
-        return wrapped(refs, *args[1:], **rest)
-    finally:
-        _sharding.reset(token)
-
-
-def _indices(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> List[int]:
-    dump = _sharding.get()
-    if dump is None:
+        data = _arg(args, kwargs, 0, "cfg").data
+        if kwargs.get("worker_prefix") or kwargs.get("torchrun_prefix") or not any(
+                p and holds_dump(p) for p in (data.hidden_states_path, data.eval_hidden_states_path)):
+            return wrapped(*args, **kwargs)
+        # the workers run this module, which patches them as instrument() did here; torchrun is
+        # told the entry is a program (--no-python), the way SpecForge passes a custom prefix
+        prefix = (sys.executable, "-m", __spec__.name, *(("--dataset", self.dataset) if self.dataset else ()))
+        kwargs = {**kwargs, "worker_prefix": prefix,
+                  "torchrun_prefix": (sys.executable, "-m", "torch.distributed.run", "--no-python")}
         return wrapped(*args, **kwargs)
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    order = dump.order(seed=int(a["seed"]), epoch=int(a["epoch"]), shuffle=bool(a["shuffle"]),
-                       rank=int(a["dp_rank"]), world_size=int(a["dp_size"]))
-    return [dump.position[i] for i in order]  # the places of those samples among the refs
 
 
-def _vocab_mapping(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> None:
-    cfg, bundle, algorithm = (_arg(args, kwargs, i, n) for i, n in enumerate(("cfg", "bundle", "algorithm")))
-    path = cfg.data.hidden_states_path
-    if _open(path) is None:
-        return wrapped(*args, **kwargs)
-    from specforge.algorithms.contracts import FeatureMode
-    from specforge.training.assembly import _install_dataset_vocab_mapping
-    from specforge.training.vocab_mapping import count_effective_feature_tokens
-
-    # the original's own conditions: it would return before counting
-    if (FeatureMode.OFFLINE not in algorithm.providers.vocab_mapping_modes or cfg.model.vocab_mapping_path
-            or bundle.draft_vocab_size == bundle.target_vocab_size):
-        return None
-    token = _tokens_only.set(True)
-    try:
-        counts = count_effective_feature_tokens(path, max_length=cfg.data.max_length,
-                                                target_vocab_size=bundle.target_vocab_size)
-    finally:
-        _tokens_only.reset(token)
-    # the original keys its cache by file stats; a dump's samples are no files, and the map is
-    # a function of these counts in their order (ties fall in listing order)
-    identity = json.dumps({"kind": "hscap-dump-v1", "counts": list(counts.items()),
-                           "max_length": cfg.data.max_length})
-    _install_dataset_vocab_mapping(cfg, bundle, counts=counts, dataset_identity=identity)
-    return None
-
-
-def _launch_plan(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    from hs_capture.dump.paths import holds_dump
-
-    data = _arg(args, kwargs, 0, "cfg").data
-    if kwargs.get("worker_prefix") or kwargs.get("torchrun_prefix") or not any(
-            p and holds_dump(p) for p in (data.hidden_states_path, data.eval_hidden_states_path)):
-        return wrapped(*args, **kwargs)
-    # the workers run this module, which patches them as instrument() did here; torchrun is
-    # told the entry is a program (--no-python), the way SpecForge passes a custom prefix
-    prefix = (sys.executable, "-m", __spec__.name, *(("--dataset", _dataset) if _dataset else ()))
-    kwargs = {**kwargs, "worker_prefix": prefix,
-              "torchrun_prefix": (sys.executable, "-m", "torch.distributed.run", "--no-python")}
-    return wrapped(*args, **kwargs)
-
-
-# ------------------------------------------------------------------ instrumentation
-def _hook(attr: str, wrapper: str) -> Callable[[Any], None]:
-    def on_import(module: Any) -> None:
-        if _instrumented:  # a hook registered before uninstrument() does nothing now
-            _patches.wrap(module, attr, globals()[wrapper])
-    return on_import
-
-
-def instrument(dataset: Optional[str]) -> None:
-    import wrapt
-
-    global _dataset, _instrumented
-    if dataset != _dataset:
-        _dumps.clear()  # opened with the other dataset's loss masks
-    _dataset = dataset
-    if _instrumented:
-        return
-    _instrumented = True
-    for module, attr, wrapper in _POINTS:
-        wrapt.register_post_import_hook(_hook(attr, wrapper), module)
-
-
-def uninstrument() -> None:
-    global _dataset, _instrumented
-    _patches.restore()
-    _dumps.clear()
-    _dataset, _instrumented = None, False
+PATCH = SpecForgePatch
 
 
 def main(argv: List[str]) -> None:

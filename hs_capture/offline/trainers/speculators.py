@@ -51,16 +51,12 @@ import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hs_capture.offline.step_sampler import deal
-from hs_capture.offline.trainers.patching import Patches, Unsupported
+from hs_capture.offline.trainers.patching import Point, TrainerPatch, Unsupported
 
 NAME = "speculators"
 SUPPORTED = ("0.9.",)  # releases whose ArrowDataset reads states through transfer.get_cached(row)
 
 log = logging.getLogger(__name__)
-
-_dataset: Optional[str] = None  # the JSONL given to `hscap send`, from instrument()
-_patches = Patches()  # undone by uninstrument()
-_open: Dict[Tuple[str, str], Any] = {}  # one DumpDataset per (dump, dataset): train and val share it
 
 
 def _version() -> str:
@@ -93,15 +89,6 @@ def check() -> Optional[str]:
     return None
 
 
-def _open_dump(path: str, dataset: str) -> Any:
-    from hs_capture.offline.dump_dataset import DumpDataset
-
-    key = (path, dataset)
-    if key not in _open:
-        _open[key] = DumpDataset(path, dataset, keys="speculators")
-    return _open[key]
-
-
 class DumpTransfer:
     """speculators' hidden-states transfer over a dump: `get_cached(row)` is what load_file of
     merge's hs_<row>.safetensors returns, None for a row the dump does not hold whole (then
@@ -125,30 +112,6 @@ class DumpTransfer:
 
     def delete(self, handle: str) -> None:
         self.files.delete(handle)
-
-
-def _arrow_init(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> None:
-    from hs_capture.dump.paths import holds_dump
-    from hs_capture.offline.reader import DumpError
-
-    wrapped(*args, **kwargs)
-    files = instance.transfer
-    path = getattr(files, "hidden_states_path", None)
-    if isinstance(files, DumpTransfer) or path is None or not holds_dump(str(path)):
-        return
-    datapath = str(inspect.signature(wrapped).bind(*args, **kwargs).arguments["datapath"])
-    dataset = _dataset or datapath  # without --dataset: DATA's own rows, sent as ids "0".."N-1"
-    transfer = DumpTransfer(files, _open_dump(str(path), dataset))
-    if not transfer.row_at:
-        raise DumpError(f"the dump {path} holds none of the samples of {dataset} whole: send that dataset "
-                        "(`hscap send DATA`), or give `hscap train --dataset` the JSONL that was sent, its "
-                        "lines in DATA's row order")
-    start, n = instance.start_file_idx, len(instance.data)
-    held = sum(start <= row < start + n for row in transfer.row_at)
-    if held < n:
-        log.warning("%d of %d rows (%d..%d) of %s are not whole in the dump %s: left out of training",
-                    n - held, n, start, start + n - 1, datapath, path)
-    instance.transfer = transfer
 
 
 def _pack(indices: Sequence[int], lengths: Any, budget: int) -> List[List[int]]:
@@ -210,29 +173,62 @@ class _DumpBatches:
         return batches
 
 
-def _data_loader(wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-    dataset = args[0] if args else kwargs.get("dataset")
-    sampler = kwargs.get("batch_sampler")
-    if isinstance(getattr(dataset, "transfer", None), DumpTransfer) and sampler is not None:
-        sampler._generate_batches = _DumpBatches(sampler, dataset, kwargs.get("num_workers", 0))
-    return wrapped(*args, **kwargs)
+class SpeculatorsPatch(TrainerPatch):
+    """The patch's state: the dumps it opened, one DumpDataset per (dump, dataset), which the
+    train and val ArrowDatasets share."""
+
+    NAME = NAME
+    POINTS = (Point("speculators.train.data", "ArrowDataset.__init__", "_arrow_init"),
+              Point("speculators.train.dataloader", "DataLoader", "_data_loader"))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dumps: Dict[Tuple[str, str], Any] = {}
+
+    def _uninstrument(self) -> None:
+        self.dumps.clear()
+        super()._uninstrument()
+
+    def open(self, path: str, dataset: str) -> Any:
+        from hs_capture.offline.dump_dataset import DumpDataset
+
+        key = (path, dataset)
+        if key not in self.dumps:
+            self.dumps[key] = DumpDataset(path, dataset, keys="speculators")
+        return self.dumps[key]
+
+    def _arrow_init(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> None:
+        from hs_capture.dump.paths import holds_dump
+        from hs_capture.offline.reader import DumpError
+
+        wrapped(*args, **kwargs)
+        files = instance.transfer
+        path = getattr(files, "hidden_states_path", None)
+        if isinstance(files, DumpTransfer) or path is None or not holds_dump(str(path)):
+            return
+        datapath = str(inspect.signature(wrapped).bind(*args, **kwargs).arguments["datapath"])
+        dataset = self.dataset or datapath  # without --dataset: DATA's own rows, sent as ids "0".."N-1"
+        transfer = DumpTransfer(files, self.open(str(path), dataset))
+        if not transfer.row_at:
+            raise DumpError(f"the dump {path} holds none of the samples of {dataset} whole: send that dataset "
+                            "(`hscap send DATA`), or give `hscap train --dataset` the JSONL that was sent, its "
+                            "lines in DATA's row order")
+        start, n = instance.start_file_idx, len(instance.data)
+        held = sum(start <= row < start + n for row in transfer.row_at)
+        if held < n:
+            log.warning("%d of %d rows (%d..%d) of %s are not whole in the dump %s: left out of training",
+                        n - held, n, start, start + n - 1, datapath, path)
+        instance.transfer = transfer
+
+    def _data_loader(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        dataset = args[0] if args else kwargs.get("dataset")
+        sampler = kwargs.get("batch_sampler")
+        if isinstance(getattr(dataset, "transfer", None), DumpTransfer) and sampler is not None:
+            sampler._generate_batches = _DumpBatches(sampler, dataset, kwargs.get("num_workers", 0))
+        return wrapped(*args, **kwargs)
 
 
-def instrument(dataset: Optional[str]) -> None:
-    from speculators.train import dataloader
-    from speculators.train.data import ArrowDataset
-
-    global _dataset
-    _dataset = dataset
-    _patches.wrap(ArrowDataset, "__init__", _arrow_init)
-    _patches.wrap(dataloader, "DataLoader", _data_loader)
-
-
-def uninstrument() -> None:
-    global _dataset
-    _patches.restore()
-    _open.clear()
-    _dataset = None
+PATCH = SpeculatorsPatch
 
 
 def main(argv: List[str]) -> None:
