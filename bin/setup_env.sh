@@ -41,12 +41,17 @@ pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 n
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .
 # ModelOpt's training step runs in an overlay of this venv (its draft needs transformers < 5.19):
-# a venv that sees .venv's packages through a .pth, with requirements/modelopt-overlay.txt on top
+# a venv that sees .venv's packages through a .pth, with requirements/modelopt-overlay.txt on top.
+# Activated, the overlay's bin replaces .venv's on PATH, so what its commands need is installed
+# in it even where .venv has it (--ignore-installed): accelerate (ModelOpt's launch_train.sh
+# runs it) and hs_capture (`hscap train modelopt`; .venv's editable install is not seen there,
+# since a .pth's path line does not run that directory's own .pth files)
 MO=${MODELOPT_VENV:-.venvs/modelopt}
 [ -x "$MO/bin/python" ] || "$PY" -m venv "$MO"
 "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
   > "$("$MO/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_suite_venv.pth"
-VENV=$MO pip install --no-deps -r requirements/modelopt-overlay.txt
+VENV=$MO pip install --no-deps --ignore-installed -r requirements/modelopt-overlay.txt
+VENV=$MO pip install --no-deps -e .
 n=$(grep -c "which is not installed\|but you have" "$LOG" || true)
 [ "$n" = 0 ] || echo "note: $n dependencies of the --no-deps packages are left out on purpose (sglang's CUDA kernels, and what the trainers' commands do not need to start on a CPU); pip's list: $LOG"
 echo "venv ready: $VENV ($("$VENV/bin/python" -c 'import sglang, torch; print("sglang", sglang.__version__, "torch", torch.__version__)'))"

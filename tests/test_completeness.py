@@ -1,7 +1,8 @@
-"""One completeness rule (hs_capture.offline.coverage) for send, merge and verify: they agree on a
-sample split across two runs, and on a sample captured whole and then again in part in the
-same run (the radix cache on, the dataset sent twice: the re-send recomputes only the last
-token), which is merged from its whole capture."""
+"""One completeness rule (hs_capture.offline.coverage, planning) for send, merge, verify and
+DumpDataset: they agree on a sample split across two runs, on a sample captured whole and then
+again in part in the same run (the radix cache on, the dataset sent twice: the re-send
+recomputes only the last token), which is merged from its whole capture, and on a dump with a
+deleted, a truncated and a bit-flipped step file."""
 
 import json
 import os
@@ -16,7 +17,7 @@ from hs_capture.dump.paths import RankId, step_file
 from hs_capture.offline.reader import open_runs
 from hs_capture.dump.files import atomic_write
 from tests.sglang_cpu.harness import serve_and_send, server_env, write_jsonl
-from tests.test_verify import errors, verify
+from tests.test_verify import errors, flip_a_bit, verify
 
 
 def cli(*args):
@@ -24,8 +25,9 @@ def cli(*args):
     return res.exit_code, res
 
 
-def send_dry_run(data, dump):
-    code, res = cli("send", data, "--dry-run", "--dump-dir", dump, "--json", "--failures", os.devnull + "x")
+def send_dry_run(data, dump, *extra):
+    code, res = cli("send", data, "--dry-run", "--dump-dir", dump, "--json", "--failures", os.devnull + "x", *extra)
+    assert code == 0, res.output
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -133,32 +135,81 @@ def test_a_sample_captured_whole_then_again_in_part_is_merged_from_its_whole_cap
     assert code == 0, errors(doc)
 
 
-def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(served_dump, tmp_path):
-    """A deleted and a truncated step file: the samples they hold are not whole for any tool, so
-    a resume re-sends them (it skipped them), merge and DumpDataset leave them out, verify fails."""
-    from hs_capture.offline.dump_dataset import DumpDataset
-    from hs_capture.offline.reader import DumpError
-
+@pytest.fixture
+def damaged(served_dump, tmp_path):
+    """A copy of the served dump with a deleted, a truncated and a bit-flipped step file, and the
+    samples each of them holds."""
     dump = str(tmp_path / "dump")
     shutil.copytree(served_dump["dir"], dump)
     (run,) = open_runs(dump)
     tag = next(iter(run.ranks))
     lines = [x for x in run.index(tag) if x.written and x.rids() and not any(
         r.startswith("HEALTH_CHECK_") for r in x.rids())]
-    deleted, truncated = lines[1], lines[-2]
+    deleted, truncated, flipped = lines[1], lines[-2], lines[len(lines) // 2]
+    assert len({deleted.step, truncated.step, flipped.step}) == 3
     os.remove(os.path.join(run.path, deleted.files["L03"].path))
     path = os.path.join(run.path, truncated.files["final"].path)
     os.truncate(path, os.path.getsize(path) - 100)
-    hit = set(deleted.rids()) | set(truncated.rids())
-    rows, data = served_dump["rows"], served_dump["data"]
-    assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows) - len(hit)
+    flip_a_bit(os.path.join(run.path, flipped.files["L02"].path))
+    sized = set(deleted.rids()) | set(truncated.rids())  # what the files' sizes show
+    return {"dump": dump, "sized": sized, "flipped": set(flipped.rids()) - sized, "all": sized | set(flipped.rids()),
+            "rows": served_dump["rows"], "data": served_dump["data"]}
+
+
+def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(damaged, tmp_path):
+    """A deleted, a truncated and a bit-flipped step file: the samples they hold are not whole for
+    any tool that reads them. Sizes alone (a stat per file) show the first two; the flipped bit
+    shows when the file is decoded: merge and verify always decode, send's resume with
+    --check-data, DumpDataset when it reads the sample (a one-line DumpError)."""
+    from hs_capture.offline.dump_dataset import DumpDataset
+    from hs_capture.offline.planning import plan
+    from hs_capture.offline.reader import DumpError
+
+    dump, rows, data, hit = damaged["dump"], damaged["rows"], damaged["data"], damaged["all"]
+    assert damaged["flipped"]
+    # send: its resume re-sends what the sizes show; with --check-data, the flipped step's too
+    assert send_dry_run(data, dump)["skipped_already_captured"] == len(rows) - len(damaged["sized"])
+    checked = send_dry_run(data, dump, "--check-data", "-j", "2")
+    assert checked["skipped_already_captured"] == len(rows) - len(hit) and checked["damaged_steps"] == 1
+    # merge: all three damaged steps' samples unwritten, each with its cause
     summary, report = merged_ids(dump, data, tmp_path / "out")
     assert summary["written"] == len(rows) - len(hit) and set(report["incomplete"]) == hit
-    assert any("L03 file is missing" in why for why in report["incomplete"].values())
-    assert any("not the" in why and "its index line says" in why for why in report["incomplete"].values())
-    ds = DumpDataset(dump, data)
-    assert len(ds) == len(rows) - len(hit) and set(ds.incomplete) == hit
+    reasons = report["incomplete"].values()
+    assert any("L03 file is missing" in why for why in reasons)
+    assert any("not the" in why and "its index line says" in why for why in reasons)
+    assert any("unreadable" in why and ".L02.hst" in why for why in reasons)
+    # verify: fails, and counts exactly the others whole
     code, doc = verify(dump, "--dataset", data)
     assert code == 1 and doc["stats"]["samples_complete"] == len(rows) - len(hit)
+    # DumpDataset: the sizes' damage out of len and named; the flipped step's samples fail in one line
+    ds = DumpDataset(dump, data)
+    assert len(ds) == len(rows) - len(damaged["sized"]) and set(ds.incomplete) == damaged["sized"]
+    for rid in damaged["flipped"]:
+        with pytest.raises(DumpError) as e:
+            ds.by_id(rid)
+        assert "\n" not in str(e.value) and repr(rid) in str(e.value) and ".L02.hst" in str(e.value)
+    for rid in set(ds.rids) - hit:
+        ds.by_id(rid)
+    # the plan the tools share, with every step decoded first: all three left out, each with its cause
+    p = plan([dump], {r["id"]: len(r["input_ids"]) for r in rows}, check_jobs=2)
+    assert set(p.incomplete) == hit and set(p.samples) == {r["id"] for r in rows} - hit
+    assert any("L02 file fails when decoded" in why for why in p.incomplete.values())
     with pytest.raises(DumpError, match="no such directory"):
         DumpDataset(str(tmp_path / "missing"))
+
+
+def test_a_damaged_sample_under_dataloader_workers_is_one_line_in_the_trainers_process(damaged):
+    import torch
+
+    from hs_capture.offline.dump_dataset import DumpDataset
+    from hs_capture.offline.reader import DumpError
+
+    ds = DumpDataset(damaged["dump"], damaged["data"])
+    rid = sorted(damaged["flipped"])[0]
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, [ds.rids.index(rid)]), batch_size=None,
+                                         num_workers=1)
+    with pytest.raises(DumpError) as e:
+        next(iter(loader))
+    message = str(e.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    assert message.startswith(f"sample {rid!r}: ") and message.endswith("(in DataLoader worker process 0)"), message

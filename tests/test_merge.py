@@ -443,6 +443,38 @@ def test_files_named_as_merge_names_them_are_not_merges_unless_it_recorded_writi
     assert os.path.exists(os.path.join(own, "data_0.ckpt.user"))
 
 
+def test_the_output_of_a_merge_that_recorded_no_files_is_refused_in_one_line_and_left_alone(dump, tmp_path):
+    # a merge before the manifest existed left its files and its report, and no list of the files:
+    # neither a resume nor --overwrite can tell them from a user's, so the directory is refused
+    out = str(tmp_path / "old")
+    run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])
+    os.remove(os.path.join(out, MANIFEST))
+    before = {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)}
+    for fmt, extra in (("specforge", []), ("specforge", ["--overwrite"]), ("modelopt", ["--overwrite"])):
+        res = _merge(dump["dir"], "-o", out, "--format", fmt, "--dataset", dump["data"], *extra)
+        assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+        (line,) = res.output.strip().splitlines()
+        assert "kept no record of its files" in line and "merge into a new directory" in line, line
+        assert {n: open(os.path.join(out, n), "rb").read() for n in os.listdir(out)} == before
+
+
+def test_merge_and_verify_take_one_jobs_default_from_the_machine(monkeypatch):
+    from hs_capture.cli.merge_cmd import merge_cmd
+    from hs_capture.cli.send_cmd import send
+    from hs_capture.cli.verify_cmd import verify_cmd
+    from hs_capture.offline import procs
+
+    defaults = {cmd.name: next(p for p in cmd.params if p.name == "jobs").default
+                for cmd in (merge_cmd, verify_cmd, send)}
+    assert set(defaults.values()) == {procs.default_jobs}, defaults
+    assert 1 <= procs.default_jobs() <= procs.cores()
+    monkeypatch.setattr(procs, "cores", lambda: 64)
+    monkeypatch.setattr(procs, "WORKER_MEMORY", 1 << 50)  # more than any machine has: one worker
+    assert procs.default_jobs() == 1
+    monkeypatch.setattr(procs, "WORKER_MEMORY", 1)  # memory to spare: one per core
+    assert procs.default_jobs() == 64
+
+
 def test_a_rerun_over_finished_output_keeps_the_record_of_what_the_directory_holds(dump, tmp_path):
     out = str(tmp_path / "o")
     first = run_merge(dump["dir"], "-o", out, "--format", "specforge", "--dataset", dump["data"])

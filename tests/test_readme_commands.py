@@ -9,8 +9,10 @@ README "By hand on this CPU" marks its fenced blocks with HTML comments:
 The recipe must end on verify's PASS (exit 0) with every sample merged in all three formats;
 each trainer command must fail with exactly the message the README names (so it got past
 its imports and argument parsing to that point). Every `specforge`/`speculators` subcommand
-any README block names must exist. The ModelOpt block needs a Model-Optimizer checkout
-(MODELOPT_EXAMPLES=.../examples/speculative_decoding): skipped without one.
+any README block names must exist. The ModelOpt block runs as written in `.venvs/modelopt`
+(its launch_train.sh, main.py, and `hscap train modelopt` from the dump, with no PYTHONPATH) and
+needs a Model-Optimizer checkout (MODELOPT_EXAMPLES=.../examples/speculative_decoding): skipped,
+with the reason, without one.
 README_UNDER_TEST=path runs another copy of the README (to see these tests fail)."""
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ def test_trainer_command_stops_where_the_readme_says(recipe, name):
         if not examples or not os.path.exists(os.path.join(examples, "main.py")):
             pytest.skip("ModelOpt's training entry is in a Model-Optimizer checkout: set MODELOPT_EXAMPLES to its "
                         "examples/speculative_decoding")
+        if not os.path.exists(os.path.join(REPO, ".venvs", "modelopt", "bin", "activate")):
+            pytest.skip("no ModelOpt overlay venv: bash bin/setup_env.sh makes .venvs/modelopt")
         env["MODELOPT_EXAMPLES"] = examples
     stops, script = stop_points(BLOCKS["trainers"][name])
     res = run_script(BLOCKS["env"] + "\n" + script, env, timeout=900)

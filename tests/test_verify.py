@@ -98,9 +98,8 @@ def test_human_summary_is_a_table_and_sample_mode_decodes_k_steps(served_dump):
 
 
 # ------------------------------------------------------------------ one fault, one check
-def test_flipped_bit_is_a_checksum_error(copy):
-    d, run = copy
-    path, line = part_file(run, 1, "L03")
+def flip_a_bit(path):
+    """One bit of a .hst file's payload flipped: the file keeps its size, only decoding finds it."""
     with open(path, "r+b") as f:
         h = fmt.read_header(f, os.fstat(f.fileno()).st_size)
         e = h.tensors["hidden"]
@@ -109,6 +108,12 @@ def test_flipped_bit_is_a_checksum_error(copy):
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_flipped_bit_is_a_checksum_error(copy):
+    d, run = copy
+    path, line = part_file(run, 1, "L03")
+    flip_a_bit(path)
     code, doc = verify(d)
     (f,) = errors(doc)
     assert code == 1 and f["check"] == "checksum" and f["path"].endswith(os.path.relpath(path, d))

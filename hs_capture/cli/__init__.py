@@ -15,7 +15,19 @@ from hs_capture.cli.serve_cmd import pythonpath, serve
 from hs_capture.cli.train_cmd import train_cmd
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Hscap(click.Group):
+    """Ctrl-C in any command: one line and exit 130 (click's own "Aborted!" exits 1). A command
+    with more to say (merge: what it kept) says it itself."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo(f"hscap {ctx.invoked_subcommand or ''}".rstrip() + ": interrupted", err=True)
+            raise SystemExit(130) from None
+
+
+@click.group(cls=_Hscap, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hscap")
 def main() -> None:
     """Capture SGLang hidden states for EAGLE-3 drafter training."""

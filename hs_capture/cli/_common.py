@@ -9,8 +9,12 @@ from typing import Any, Optional
 
 import click
 
+from hs_capture.offline.procs import default_jobs
+
 DUMP_DIR = click.argument("dump_dir", type=click.Path(exists=True, file_okay=False))
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+# -j of merge, verify and send --check-data: what the machine has, the same rule for each
+JOBS_DEFAULT = f"one per core, at most one per 2 GiB of available memory: {default_jobs()} here"
 QUIET = click.option("--quiet", "-q", is_flag=True, help="No progress, no warnings: the result only.")
 
 

@@ -9,7 +9,8 @@ from typing import List, Tuple
 import click
 
 from hs_capture.offline.formats import FORMATS, NAMES  # the registry imports no torch: `hscap` starts fast
-from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
+from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
+from hs_capture.offline.procs import default_jobs
 
 
 def _shard(ctx, param, value: str) -> Tuple[int, int]:
@@ -30,7 +31,8 @@ def _shard(ctx, param, value: str) -> Tuple[int, int]:
 @click.option("--dataset", type=click.Path(exists=True),
               help="The JSONL sent (or speculators' prepared dataset dir): loss masks joined by id, token ids "
                    "checked; only its ids are merged.")
-@click.option("-j", "--jobs", default=1, show_default=True, type=click.IntRange(1, 256), help="Worker processes.")
+@click.option("-j", "--jobs", default=default_jobs, show_default=JOBS_DEFAULT, type=click.IntRange(1, 256),
+              help="Worker processes.")
 @click.option("--shard", default="0/1", show_default=True, callback=_shard, help="Merge only rows with row % N == i.")
 @click.option("--cache-mb", default=2048, show_default=True, type=click.IntRange(16),
               help="Decoded step data kept in memory (all workers together).")
@@ -43,12 +45,24 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
               cache_mb: int, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Stitch every request in DUMPS (dump or run dirs, e.g. one per node) and write one
     file per complete sample. Incomplete samples are never written: they are listed, with
-    the reason, in OUT/merge_report.json. Re-running skips finished files. OUT must be new,
-    empty or hold only this format's merge output, and never lies inside a dump."""
+    the reason, in OUT/merge_report.json (a step file that is missing, cut short or fails its
+    crc32 when decoded makes its samples incomplete). Re-running skips finished files; Ctrl-C
+    keeps them. OUT must be new, empty or hold only this format's merge output, and never lies
+    inside a dump."""
+    progress = Progress(enabled=not (quiet or as_json))
+    try:
+        _merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb, overwrite, quiet, as_json, progress)
+    except KeyboardInterrupt:  # anywhere, imports included: what is written stays, whole
+        progress.close()
+        click.echo(f"hscap merge: interrupted: the files finished so far are kept in {out_dir} (each written whole); "
+                   "the same command resumes", err=True)
+        raise SystemExit(130) from None
+
+
+def _merge(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs: int, shard: Tuple[int, int],
+           cache_mb: int, overwrite: bool, quiet: bool, as_json: bool, progress: Progress) -> None:
     from hs_capture.offline.merge import REPORT, SETTINGS, MergeError, MergeResult, merge
     from hs_capture.offline.reader import DumpError
-
-    progress = Progress(enabled=not (quiet or as_json))
 
     def on_progress(r: "MergeResult", total: int, force: bool = False) -> None:
         progress.update(f"merged {r.written + r.skipped_existing}/{total}  {r.tokens:,} tokens  "
@@ -58,11 +72,6 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
         res = merge(dumps, out_dir, fmt_name, dataset, jobs, shard, cache_mb << 20, on_progress, overwrite)
     except (MergeError, DumpError) as e:
         raise click.ClickException(str(e))
-    except KeyboardInterrupt:
-        progress.close()
-        click.echo(f"hscap merge: interrupted: the files finished so far are kept in {out_dir} (each written whole); "
-                   "the same command resumes", err=True)
-        raise SystemExit(130)
     # the last result may have come within the redraw interval: the line ends on the final count
     on_progress(res, res.written + res.skipped_existing, force=True)
     progress.close()

@@ -10,7 +10,8 @@ import click
 
 from hs_capture.offline import send as sender
 from hs_capture.offline.inputs import BadLine, InputSample, read_inputs
-from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
+from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
+from hs_capture.offline.procs import default_jobs
 
 
 @click.command()
@@ -19,7 +20,14 @@ from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
 @click.option("--concurrency", "-c", default=8, show_default=True, type=click.IntRange(1, 4096),
               help="Requests in flight (SGLang batches them into one forward).")
 @click.option("--dump-dir", "-d", "dump_dirs", multiple=True, type=click.Path(file_okay=False),
-              help="Resume: skip samples this dump already holds completely (repeatable).")
+              help="Resume: skip samples this dump already holds completely (repeatable), by merge's rule: "
+                   "every piece captured, every step file there at the size its index line recorded.")
+@click.option("--check-data", is_flag=True,
+              help="Resume: also decode every step file of the dumps and check its crc32s, so the samples of a "
+                   "corrupt file are sent again (reads the whole dump; without it a flipped bit is found by "
+                   "merge and verify, not here).")
+@click.option("-j", "--jobs", default=default_jobs, show_default=JOBS_DEFAULT, type=click.IntRange(1, 256),
+              help="Worker processes for --check-data.")
 @click.option("--retries", default=5, show_default=True, type=click.IntRange(0, 100),
               help="Retries on connection errors and HTTP 5xx, with exponential back-off.")
 @click.option("--backoff", default=0.5, show_default=True, type=click.FloatRange(0), help="First back-off, seconds.")
@@ -31,8 +39,9 @@ from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
 @click.option("--dry-run", is_flag=True, help="Validate the dataset and count what would be sent; send nothing.")
 @QUIET
 @JSON
-def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries: int, backoff: float,
-         timeout: float, on_bad_line: str, failures_path: str, dry_run: bool, quiet: bool, as_json: bool) -> None:
+def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], check_data: bool, jobs: int, retries: int,
+         backoff: float, timeout: float, on_bad_line: str, failures_path: str, dry_run: bool, quiet: bool,
+         as_json: bool) -> None:
     """Send every sample of DATASET (JSONL: id, input_ids[, loss_mask]; or speculators'
     prepared dataset directory, row k sent as id "k") to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
@@ -40,8 +49,20 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
     from hs_capture.offline.planning import Captured
     from hs_capture.offline.reader import DumpError
 
+    if check_data and not dump_dirs:
+        raise click.UsageError("--check-data checks the dumps --dump-dir names: give one")
+    progress = Progress(enabled=not (quiet or as_json))
+    damaged = None
     try:  # the rule merge and verify judge by: a sample whole in the dumps is not sent again
         have = Captured(dump_dirs, strict=False, allow_empty=True) if dump_dirs else None
+        if check_data and have is not None:
+            damaged = have.check_contents(jobs, lambda done, total: progress.update(
+                f"checked {done}/{total} steps", force=done == total))
+            progress.close()
+            if damaged and not quiet and not as_json:
+                steps = "1 step of the dumps does" if damaged == 1 else f"{damaged} steps of the dumps do"
+                click.echo(f"hscap send: {steps} not decode to their crc32s: the samples they hold count as not "
+                           "captured", err=True)
     except DumpError as e:
         raise click.ClickException(str(e))
 
@@ -56,8 +77,6 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
             where = f"line {entry['line']}" + (f" (id {entry['id']!r})" if entry["id"] is not None else "")
             msg = entry["error"] if entry["error"].startswith("line ") else f"{where}: {entry['error']}"
             click.echo(f"hscap send: {msg}", err=True)
-
-    progress = Progress(enabled=not (quiet or as_json))
 
     def on_progress(stats: sender.SendStats) -> None:
         sps, tps = stats.rate()
@@ -76,6 +95,8 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], retries
         sps, tps = stats.rate()
         summary.update(failed=stats.failed, retries=stats.retries, samples_per_s=round(sps, 2),
                        tokens_per_s=round(tps, 1), failures_file=failures_path if failures else None)
+    if damaged is not None:
+        summary["damaged_steps"] = damaged
     summary["stopped_at_bad_line"] = stats.stopped
     if as_json:
         emit_json(summary)

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import click
 
-from hs_capture.cli._common import JSON, QUIET, Progress, emit_json
+from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
+from hs_capture.offline.procs import default_jobs
 
 
 def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
@@ -37,7 +38,8 @@ def _check_device(name: str) -> None:
 @click.option("--sample", type=click.IntRange(1), default=None,
               help="Decode only K random steps (dumps) or samples (merged); index checks still cover all.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --sample and --reference picks.")
-@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=4, show_default=True, help="Worker processes for dump steps (threads for merged samples).")
+@click.option("-j", "--jobs", type=click.IntRange(1, 256), default=default_jobs, show_default=JOBS_DEFAULT,
+              help="Worker processes for dump steps (threads for merged samples).")
 @click.option("--reference", "reference", type=click.Path(exists=True, file_okay=False),
               help="Model dir: recompute samples with transformers (float32) and compare.")
 @click.option("--reference-device", default="cpu", show_default=True,
@@ -58,7 +60,9 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
                rtol: Optional[float],
                layers: Optional[List[int]], max_findings: int, quiet: bool, as_json: bool) -> None:
     """Prove dumps (or merged datasets) complete, intact and sane. PATHS: dump dirs, run
-    dirs or `hscap merge` output dirs. Exit 0 only when every check passes."""
+    dirs or `hscap merge` output dirs. Every step file of a dump is decoded and checked
+    against its crc32s (--sample: K of them); a damaged step makes its samples not whole, by
+    the rule send and merge use. Exit 0 only when every check passes."""
     from hs_capture.offline.inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
     from hs_capture.offline.heap import keep_large_buffers
     from hs_capture.offline.verify import verify

@@ -122,6 +122,11 @@ def prepare(out_dir: str, dump_dirs: Sequence[str], training_format: TrainingFor
     for rel in _entries(out_dir):
         owners.setdefault(_owner(rel, mine), []).append(rel)
     foreign = owners.pop("?", [])
+    if not mine and any(rel in REPORTS for rel in foreign):
+        # a merge from before the manifest: its report counts files but names none, so nothing
+        # there can be told from a file of the user's; resuming or --overwrite would have to guess
+        raise OutputDirError(f"{out_dir} holds the output of a merge that kept no record of its files (no {MANIFEST}): "
+                             f"merge into a new directory, or remove {out_dir} yourself and merge again")
     if foreign:
         top = [r for r in foreign if "/" not in r or r.rpartition("/")[0] not in foreign]
         raise OutputDirError(f"{out_dir} holds {_counted(out_dir, foreign)} merge did not write (e.g. {top[0]!r}): "

@@ -1,14 +1,25 @@
 """Which pieces (run, rank, step, rows) make every request whole, from index lines only:
 no tensor is read and no torch is imported, so merge and verify plan (and hand work to their
 worker processes) before anything heavy loads. assemble.py then cuts the samples out.
+
+The one completeness rule: a sample is whole when a chain of its pieces covers it
+(coverage.whole_chain) and every file of every step in that chain is sound. A file is judged
+sound here by its size (there, and as its index line recorded it: a stat, no read); a file
+that is whole but corrupt (a flipped bit) is found only by decoding it, against the crc32s
+its header holds. Who decodes: merge, every step it writes from (a sample it cannot decode is
+listed incomplete, never written); verify, every step (or --sample of them); send's resume
+with --check-data, every step (Captured.check_contents); DumpDataset when it reads the sample
+(a one-line DumpError). In each, a damaged step makes all its samples not whole.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from hs_capture.dump import hst
+from hs_capture.offline import procs
 from hs_capture.offline.attribution import warmups
 from hs_capture.offline.coverage import Span, whole_chain
 from hs_capture.dump.hst import ITEMSIZE
@@ -119,6 +130,32 @@ class Captured:
                     "missing" if size is None else f"{size} bytes, not the {f.bytes} its index line says"))
         return tuple(out)
 
+    def check_contents(self, jobs: int = 1, progress: Optional[Callable[[int, int], None]] = None) -> int:
+        """Decode every file of every step that holds a piece and check it against its crc32s
+        (reads the whole dump, in `jobs` processes). A file that fails makes its step damaged,
+        as a missing one does. Returns the number of damaged steps found."""
+        steps: Dict[Tuple[int, str, int], Tuple[Tuple[str, str], ...]] = {}
+        for pieces in self.pieces.values():
+            for pc in pieces.values():
+                if pc.files:
+                    steps.setdefault((pc.run, pc.rank, pc.step), pc.files)
+        keys = sorted(steps)
+        work = [tuple((part, os.path.join(self.runs[k[0]].path, rel)) for part, rel in steps[k]) for k in keys]
+        if jobs <= 1 or len(work) <= 1:
+            bad = _unsound(keys, map(_first_unsound, work), progress)
+        else:
+            with procs.pool(min(jobs, len(work)), [__name__], _no_init, ()) as ex:
+                chunk = max(1, len(work) // (16 * jobs))  # few round trips, still an even spread
+                bad = _unsound(keys, ex.map(_first_unsound, work, chunksize=chunk), progress)
+        for key, (part, why) in bad.items():
+            self.damage.setdefault(key, f"its {part} file {why}")
+        for pieces in self.pieces.values():
+            for k, pc in pieces.items():
+                if (pc.run, pc.rank, pc.step) in bad:
+                    part = bad[(pc.run, pc.rank, pc.step)][0]
+                    pieces[k] = replace(pc, files=tuple(f for f in pc.files if f[0] != part))
+        return len(bad)
+
     def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
         """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
         length: the dataset's (None: as far as it was captured)."""
@@ -142,12 +179,16 @@ class Captured:
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
-         exclude_prefix: str = "HEALTH_CHECK_", strict: bool = True) -> Plan:
+         exclude_prefix: str = "HEALTH_CHECK_", strict: bool = True, check_jobs: int = 0) -> Plan:
     """Decide every sample's pieces. With `lengths` (from the dataset), only those ids count
     and each must reach its full length; else every captured rid, as far as it was captured,
     but SGLang's startup warmup (left_out).
-    Not strict: unreadable metadata and index lines are skipped (verify reports them)."""
+    Not strict: unreadable metadata and index lines are skipped (verify reports them).
+    check_jobs > 0: decode every step first, in that many processes (Captured.check_contents),
+    so a corrupt file leaves its samples out of the plan; 0 judges files by their size."""
     cap = Captured(dump_dirs, strict, exclude_prefix)
+    if check_jobs > 0:
+        cap.check_contents(check_jobs)
     result = Plan(cap.runs, cap.layers, cap.hidden_size, cap.prenorm, itemsize=cap.itemsize or 2)
     for rid in (lengths.keys() if lengths is not None else cap.pieces.keys()):
         chain, reason, extras = cap.judge(rid, lengths.get(rid) if lengths is not None else None)
@@ -163,3 +204,33 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
             del result.samples[rid]
             result.extras.pop(rid, None)
     return result
+
+
+def _first_unsound(files: Tuple[Tuple[str, str], ...]) -> Optional[Tuple[str, str]]:
+    """(part, what is wrong) for the first of a step's files that does not decode to the crc32s
+    its header holds, or None (in a worker process: nothing but the file is read)."""
+    for part, path in files:
+        try:
+            with hst.opened(path) as (f, header):
+                for name in header.tensors:
+                    hst.read_tensor_bytes(f, header, name)
+        except OSError as e:
+            return part, f"is unreadable ({e.strerror or e})"
+        except hst.FormatError as e:
+            return part, f"fails when decoded ({type(e).__name__}: {e})"
+    return None
+
+
+def _unsound(keys: List[Tuple[int, str, int]], results: Iterator[Optional[Tuple[str, str]]],
+             progress: Optional[Callable[[int, int], None]]) -> Dict[Tuple[int, str, int], Tuple[str, str]]:
+    bad = {}
+    for n, (key, found) in enumerate(zip(keys, results), 1):
+        if found is not None:
+            bad[key] = found
+        if progress:
+            progress(n, len(keys))
+    return bad
+
+
+def _no_init() -> None:
+    pass

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
+
+WORKER_MEMORY = 2 << 30  # a merge worker's peak on 8k-token DeepSeek steps (benchmarks/README.md: 1.8 GB)
 
 
 def cores() -> int:
@@ -22,6 +27,17 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 2
+
+
+def default_jobs() -> int:
+    """Worker processes when none are asked for (merge, verify, send --check-data): one per
+    core this process may use, at most one per WORKER_MEMORY of the memory available now."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return cores()
+    return max(1, min(cores(), free // WORKER_MEMORY))
 
 
 def peak_rss_bytes() -> int:
@@ -47,13 +63,68 @@ def context(preload: Sequence[str]):
 
 
 def start(preload: Sequence[str]) -> None:
-    """Start the fork server now (its imports overlap the caller's planning)."""
+    """Start the fork server now (its imports overlap the caller's planning). It starts with
+    SIGINT ignored, as do the workers it forks: a Ctrl-C reaches the whole process group, and
+    the caller alone decides what it means (a worker or the fork server importing torch would
+    each print a traceback)."""
     ctx = context(preload)
-    if ctx.get_start_method() == "forkserver":
-        from multiprocessing import forkserver
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
 
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
         forkserver.ensure_running()
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # kept across exec: the server's Python ignores it
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
-def pool(workers: int, preload: Sequence[str], initializer: Callable, initargs: tuple) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(workers, mp_context=context(preload), initializer=initializer, initargs=initargs)
+def _worker_init(initializer: Callable, initargs: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # spawned workers too: the caller handles Ctrl-C
+    initializer(*initargs)
+
+
+@contextmanager
+def pool(workers: int, preload: Sequence[str], initializer: Callable, initargs: tuple) -> Iterator[ProcessPoolExecutor]:
+    """Worker processes for `with`. Leaving it by an exception (Ctrl-C in the caller) ends the
+    workers at once instead of waiting for the tasks in flight, which could be most of the work."""
+    start(preload)
+    ex = ProcessPoolExecutor(workers, mp_context=context(preload), initializer=_worker_init,
+                             initargs=(initializer, initargs))
+    try:
+        yield ex
+    except GeneratorExit:  # a generator over the pool closed once its caller had what it needed
+        ex.shutdown(cancel_futures=True)
+        raise
+    except BaseException:
+        _end(ex)
+        raise
+    ex.shutdown()
+
+
+def _end(ex: ProcessPoolExecutor) -> None:
+    """Stop a pool's workers now, tasks in flight included (their files are written whole or not
+    at all: a re-run removes the temp files and redoes them), and the fork server: a worker it
+    was asked for while still importing would start after this process has gone, and fail
+    loudly on the pool's vanished queues. The next pool starts a new server."""
+    stop = getattr(ex, "terminate_workers", None)  # Python 3.14+
+    workers = [] if stop else list((getattr(ex, "_processes", None) or {}).values())
+    if stop is not None:
+        stop()
+    for w in workers:
+        w.terminate()
+    from multiprocessing import forkserver
+
+    server = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if server:
+        try:
+            os.kill(server, signal.SIGTERM)
+        except OSError:
+            pass
+    if stop is None:
+        ex.shutdown(wait=False, cancel_futures=True)
+    for w in workers:
+        w.join(5)

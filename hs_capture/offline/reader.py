@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -20,7 +21,27 @@ TORN = "torn last line (a crash while appending): that step is not committed"
 
 
 class DumpError(Exception):
-    """A dump that cannot be read as asked; the message names the file."""
+    """A dump that cannot be read as asked; the message names the file. One line also when a
+    DataLoader worker raised it: torch re-raises it in the trainer's process as
+    DumpError("Caught DumpError in DataLoader worker process N.\nOriginal Traceback ..."); the
+    worker's own line is kept, and where it came from."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (_own_line(args[0]),)
+        super().__init__(*args)
+
+
+_WORKER = re.compile(r"Caught \w+ (in .+?)\.\nOriginal Traceback")
+
+
+def _own_line(message: str) -> str:
+    """A worker's re-raised message -> "its own line (in DataLoader worker process N)"."""
+    m = _WORKER.match(message)
+    lines = [x for x in message.splitlines() if x.strip()]
+    if not m or not lines:
+        return message
+    return re.sub(r"^[\w.]+: ", "", lines[-1].strip(), count=1) + f" ({m.group(1)})"
 
 
 def first_mismatch(got: List[int], want: List[int]) -> Optional[int]:
