@@ -60,6 +60,7 @@ SERVERS: Dict[str, tuple] = {
     # production-like traffic, the radix cache on (see above)
     "chat-off": (None, False, {}, "shm", "chat"),
     "chat-5": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0.05"}, "shm", "chat"),
+    "chat-0": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat"),  # hooked, nothing captured
     "chat-100": ("2,3,5", True, {}, "shm", "chat"),
     "chat-serve": ("2,3,5", True, {"RADIX": "off"}, "shm", "chat"),
 }

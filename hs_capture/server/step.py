@@ -40,8 +40,8 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
     if keep is not None:
         if len(keep) != len(seqs):
             raise ValueError(f"batch of {len(seqs)} sequences has {len(keep)} capture choices")
-        rows = _kept_rows(seq_lens, keep, hidden.device)
-        tensors = {name: t[rows] for name, t in tensors.items()}
+        spans = _kept_spans(seq_lens, keep)
+        tensors = {name: _rows(t, spans) for name, t in tensors.items()}
         seqs = [s for s, k in zip(seqs, keep) if k]
         n = sum(length for _, length, _ in seqs)
     offsets, acc = [], 0
@@ -53,10 +53,10 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
     return line, tensors, aux_layers
 
 
-def _kept_rows(seq_lens: List[int], keep: List[bool], device: torch.device):
-    """The rows of the kept sequences: a slice where they are one run of rows (no gather
-    on the device), else an index tensor."""
-    spans, at = [], 0
+def _kept_spans(seq_lens: List[int], keep: List[bool]) -> List[Tuple[int, int]]:
+    """The row ranges of the kept sequences, adjacent ones merged."""
+    spans: List[List[int]] = []
+    at = 0
     for length, k in zip(seq_lens, keep):
         if k:
             if spans and spans[-1][1] == at:
@@ -64,27 +64,13 @@ def _kept_rows(seq_lens: List[int], keep: List[bool], device: torch.device):
             else:
                 spans.append([at, at + length])
         at += length
+    return [(a, b) for a, b in spans]
+
+
+def _rows(t: torch.Tensor, spans: List[Tuple[int, int]]) -> torch.Tensor:
+    """Those rows of `t`: a view for one span, else copies on the device. Never an index
+    tensor built on the host: its copy to the device would wait for the forward (a pageable
+    host-to-device copy synchronizes the stream), ending the scheduler's overlap."""
     if len(spans) == 1:
-        return slice(spans[0][0], spans[0][1])
-    index = torch.cat([torch.arange(a, b) for a, b in spans])
-    return index.to(device, non_blocking=True)
-
-
-def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], layers: List[int], h: int,
-              n: int) -> List[int]:
-    """Our layers out of SGLang's aux captures, into `tensors`; returns the packed tensor's layers."""
-    if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
-        if aux.shape[-1] != h * len(current):
-            raise ValueError(f"aux is {tuple(aux.shape)}, expected {len(current)} x {h} columns")
-        if current == layers:
-            tensors["aux"] = aux[:n]  # split on the host by the writer: no device copy
-            return list(current)
-        for layer in layers:
-            j = current.index(layer)
-            tensors[part_name(layer)] = aux[:n, j * h:(j + 1) * h]
-        return []
-    if len(aux) != len(current):  # up to 0.5.15: a list of [T, H] tensors in layer order
-        raise ValueError(f"{len(aux)} aux tensors for layers {current}")
-    for layer in layers:
-        tensors[part_name(layer)] = aux[current.index(layer)][:n]
-    return []
+        return t[spans[0][0]:spans[0][1]]
+    return torch.cat([t[a:b] for a, b in spans])
