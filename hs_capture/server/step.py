@@ -74,3 +74,23 @@ def _rows(t: torch.Tensor, spans: List[Tuple[int, int]]) -> torch.Tensor:
     if len(spans) == 1:
         return t[spans[0][0]:spans[0][1]]
     return torch.cat([t[a:b] for a, b in spans])
+
+
+def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], layers: List[int], h: int,
+              n: int) -> List[int]:
+    """Our layers out of SGLang's aux captures, into `tensors`; returns the packed tensor's layers."""
+    if isinstance(aux, torch.Tensor):  # 0.5.23: one packed [T, K*H] tensor, blocks in layer order
+        if aux.shape[-1] != h * len(current):
+            raise ValueError(f"aux is {tuple(aux.shape)}, expected {len(current)} x {h} columns")
+        if current == layers:
+            tensors["aux"] = aux[:n]  # split on the host by the writer: no device copy
+            return list(current)
+        for layer in layers:
+            j = current.index(layer)
+            tensors[part_name(layer)] = aux[:n, j * h:(j + 1) * h]
+        return []
+    if len(aux) != len(current):  # up to 0.5.15: a list of [T, H] tensors in layer order
+        raise ValueError(f"{len(aux)} aux tensors for layers {current}")
+    for layer in layers:
+        tensors[part_name(layer)] = aux[current.index(layer)][:n]
+    return []
