@@ -38,9 +38,11 @@ def test_the_picker_gives_each_picked_request_a_namespace_of_its_own_only_with_t
     assert reqs[2].extra_key is None and reqs[3].extra_key == "tenant-a"  # untouched: they keep the cache
     assert picker.select(["same", "other", None], 3) == [True, False, False]
     off = RequestPicker(CapturePolicy(fraction=0.0), radix_cache=False)
-    r = Req("m", MARK)
+    r, own = Req("m", MARK), Req("k", MARK + ":tenant")
     off.on_new_request(r)
-    assert r.extra_key == MARK and off.select(["m", "n"], 2) == [True, False]
+    off.on_new_request(own)
+    # no namespace: the bare mark is taken off (the request shares the cache as an unmarked one)
+    assert r.extra_key is None and own.extra_key == MARK + ":tenant" and off.select(["m", "n"], 2) == [True, False]
     assert RequestPicker(CapturePolicy(), radix_cache=False).select(["a"], 1) is None  # every request
 
 

@@ -64,8 +64,10 @@ def _rows_view(raw, row_bytes: int) -> np.ndarray:
 
 def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: int) -> Tuple[List, int]:
     """Chunks of one payload, and the crc32 of the raw bytes (taken block by block while they
-    are in cache: one pass over memory, not two). `compressor()` gives this thread's zstd
-    compressor."""
+    are in cache: one pass over memory, not two). `compressor(slot)` gives this thread's zstd
+    compressor for that slot: each plane's frame stays open across blocks, so each plane has
+    a compressor of its own (frames open on one compressor share its context and corrupt
+    each other), and samples are taken on another."""
     if itemsize not in _UINT:
         raise BytegroupError(f"bytegroup takes 2- or 4-byte floats, not {itemsize}-byte elements")
     u8 = _rows_view(raw, row_bytes)
@@ -76,7 +78,7 @@ def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: 
     per_row = width // itemsize
     count = rows * per_row
     step = max(1, _BLOCK // max(1, width))
-    c = compressor()
+    sampler = compressor(itemsize)
     sinks: List = [None] * itemsize  # per plane: a _Stream, or the whole plane kept raw
     centres = np.empty(rows, dtype=np.uint8) if transform == EXPONENT else None
     centre = None  # centre the exponents per row? decided on the first block
@@ -118,8 +120,8 @@ def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: 
             flat = p.reshape(-1)
             if sinks[j] is None:  # the first block decides, from a sample
                 head = flat[:_SAMPLE]
-                worth = head.size and len(c.compress(head)) * _WORTH <= head.size
-                sinks[j] = _Stream(c, count) if worth else np.empty(count, dtype=np.uint8)
+                worth = head.size and len(sampler.compress(head)) * _WORTH <= head.size
+                sinks[j] = _Stream(compressor(j), count) if worth else np.empty(count, dtype=np.uint8)
             if isinstance(sinks[j], _Stream):
                 sinks[j].add(flat)
             else:

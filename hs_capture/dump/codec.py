@@ -34,13 +34,15 @@ class SizeMismatch(FormatError):
 _tls = threading.local()
 
 
-def _compressor(level: int, fast_planes: bool = False):
+def _compressor(level: int, fast_planes: bool = False, slot: int = 0):
+    """This thread's compressor; `slot`: one of several whose frames are open at once (a
+    streamed frame lives in its compressor's context: two open on one interleave)."""
     import zstandard
 
     cache = getattr(_tls, "compressors", None)
     if cache is None:
         cache = _tls.compressors = {}
-    key = (level, fast_planes)
+    key = (level, fast_planes, slot)
     c = cache.get(key)
     if c is None:
         if fast_planes and level <= 2:
@@ -100,7 +102,7 @@ def encode_bytegroup(raw, level: int, itemsize: int, dtype: str, row_bytes: int)
     from hs_capture.dump import bytegroup  # numpy: imported only when a float tensor is written
 
     try:
-        return bytegroup.encode(raw, lambda: _compressor(level, fast_planes=True), itemsize, row_bytes,
+        return bytegroup.encode(raw, lambda slot=0: _compressor(level, fast_planes=True, slot=slot), itemsize, row_bytes,
                                 bytegroup.transform_for(dtype, level))
     except bytegroup.BytegroupError as e:
         raise CodecError(str(e)) from None

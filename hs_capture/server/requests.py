@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Any, Dict, List, Optional
 
-from hs_capture.dump.capture_policy import CapturePolicy
+from hs_capture.dump.capture_policy import MARK, CapturePolicy
 from hs_capture.server.log import get_logger
 
 log = get_logger()
@@ -45,10 +45,13 @@ class RequestPicker:
         if not self.policy.picks(rid, getattr(req, "extra_key", None)):
             return
         self.picked += 1
+        key = getattr(req, "extra_key", None)
         if self.namespaces:
             with self._lock:
                 n = next(self._count)
-            req.extra_key = f"{getattr(req, 'extra_key', None) or ''}{_SUFFIX}{n}"
+            req.extra_key = f"{key or ''}{_SUFFIX}{n}"
+        elif key == MARK:  # the bare mark is ours: the request shares the cache as an unmarked one would
+            req.extra_key = None
         if self.policy.everything or rid is None:
             return
         try:

@@ -5,7 +5,7 @@ decided by the one rule send, merge and verify use (planning.Captured, coverage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Set
 
 import numpy as np
 
@@ -27,8 +27,9 @@ class Sample:
     prenorm: Optional[np.ndarray] = field(default=None, repr=False)  # the final norm's input, if captured
 
 
-def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
-    """Reassemble every request of one writing rank; positions captured twice raise."""
+def stitch(run: Run, rank: Optional[str] = None, only: Optional[Set[str]] = None) -> Dict[str, Sample]:
+    """Reassemble every request (or those in `only`) of one writing rank; positions captured
+    twice raise."""
     rank = rank or next(iter(run.ranks))
     layer_of = {part_name(k): k for k in run.ranks[rank].layers}
     pieces: Dict[str, list] = {}
@@ -38,6 +39,8 @@ def stitch(run: Run, rank: Optional[str] = None) -> Dict[str, Sample]:
         parts = {p: run.read_part(line, p) for p in line.files}
         final = parts[FINAL]
         for seq in line.seqs:
+            if only is not None and seq.rid not in only:
+                continue
             rows = slice(seq.offset, seq.offset + seq.len)
             pieces.setdefault(seq.rid, []).append((
                 final["positions"][rows],
