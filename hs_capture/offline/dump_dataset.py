@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from hs_capture.offline.assemble import Assembler, TokensDiffer, with_loss_mask
-from hs_capture.offline.follow import Follower
+from hs_capture.offline.follow import Follower, Progress
 from hs_capture.offline.formats import FORMATS, NAMES, TrainingFormat
 from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
 from hs_capture.offline.planning import Plan, plan
@@ -35,7 +35,7 @@ Dumps = Union[str, Sequence[str]]
 WINDOW_BYTES = 256 << 20  # decoded states per shuffle window (a worker caches it and the step before)
 # a live reader's decode cache: samples become whole in step order, so a few steps suffice
 FOLLOW_CACHE_BYTES = 2 * WINDOW_BYTES
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: follow.Progress (1: every id handed out, kept per worker)
 
 
 def _format(keys: str) -> TrainingFormat:
@@ -174,14 +174,26 @@ class DumpDataset(torch.utils.data.Dataset):
 class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
     """A run followed while the server writes it (follow.py): each whole sample once, as soon
     as it is whole; the dump dir need not exist yet. Ends when every run found has closed (or
-    after `idle_timeout_s` without a new sample, or on stop()). Under DataLoader workers and
-    torch.distributed each sample goes to one reader, by the step that ends it (each step
+    after `idle_timeout_s` without a new sample, or on stop()).
+
+    One reader a rank: under DataLoader workers, worker 0 follows the dump and decodes every
+    sample, and the other workers end at once. A DataLoader takes items from its workers in
+    turn (in order, by default) and, once a worker has ended, from the others only, so no
+    sample waits on a worker that has none: each comes one poll after it is whole, plus its
+    decode. Sharing one order among several workers would need state shared between their
+    processes (a leader, a log, a rendezvous of their states on restart, under fork and spawn)
+    and would spread each step over every worker, each decoding it; one reader needs none of
+    it, decodes each step once and holds its whole progress in its own state. One process
+    decodes ~0.34 GB/s at hidden 7168 (benchmarks/README.md), ~6x what one GPU's trainer takes.
+    Under torch.distributed each sample goes to one rank, by the step that ends it (each step
     decoded about once; the split is fixed when the dataset is made, in the trainer's process).
-    The readers' counts differ: under DDP stop at a step count or use torch's Join.
-    state_dict()/load_state_dict(): the samples handed out, so a restarted trainer neither
-    repeats nor skips one (torchdata's StatefulDataLoader calls them in each worker).
-    A request captured twice (a re-send) is handed out once, as first captured whole; one
-    whose tokens differ from the dataset's is left out (`skipped`)."""
+    The ranks' counts differ: under DDP stop at a step count or use torch's Join.
+
+    state_dict()/load_state_dict(): what was handed out, as one position a rank of each run
+    (follow.Progress), so a restarted trainer neither repeats nor skips a sample (torchdata's
+    StatefulDataLoader calls them in each worker; restart with the same ranks). A request
+    captured twice (a re-send) is handed out once, as first captured whole; one whose tokens
+    differ from the dataset's is left out (`skipped`)."""
 
     def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = True,
                  poll_s: float = 0.5, idle_timeout_s: Optional[float] = None, rank: Optional[int] = None,
@@ -197,8 +209,7 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
         # here, in the trainer's process: a spawned DataLoader worker has no process group
         self.rank, self.world_size = rank_world(rank, world_size)
         self.cache_bytes = 2 * window_bytes if window_bytes else cache_bytes
-        self._yielded: List[str] = []
-        self._skip: set = set()
+        self._progress = Progress()
         self._stop = False
         self.bytes_decoded = 0
         self.skipped: Dict[str, str] = {}  # rid -> why it was left out
@@ -216,24 +227,20 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
         self._stop = True
 
     def state_dict(self) -> Dict[str, object]:
-        return {"version": STATE_VERSION, "yielded": sorted(self._skip | set(self._yielded))}
+        return {"version": STATE_VERSION, "read": self._progress.to_json()}
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"a follow state of version {state.get('version')!r}: this hs_capture reads "
                              f"{STATE_VERSION}")
-        self._skip = set(state["yielded"])
-        self._yielded = []
-
-    def _share(self) -> Tuple[int, int]:
-        """(this reader's number, readers): DataLoader workers within torch.distributed ranks."""
-        info = torch.utils.data.get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return self.rank * workers + worker, self.world_size * workers
+        self._progress = Progress.from_json(state["read"])
 
     def __iter__(self) -> Iterator[Dict[str, object]]:
-        me, readers = self._share()
-        follower = Follower(self.dumps, _lengths(self.inputs), skip=self._skip | set(self._yielded) | set(self.skipped))
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id > 0:
+            return  # one reader a rank: worker 0 (the class doc says why)
+        progress = self._progress
+        follower = Follower(self.dumps, _lengths(self.inputs), progress)
         p: Optional[Plan] = None
         asm: Optional[Assembler] = None
         idle_since = time.monotonic()
@@ -247,7 +254,8 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
                 asm = Assembler(p, self.cache_bytes)
             for w in ready:
                 run_id = os.path.basename(follower.runs[w.end[0]].path)  # the same on every node's mount
-                if zlib.crc32(f"{run_id}|{w.end[1]}|{w.end[2]}".encode()) % readers != me:
+                if zlib.crc32(f"{run_id}|{w.end[1]}|{w.end[2]}".encode()) % self.world_size != self.rank:
+                    progress.settle(w)  # another rank's
                     continue
                 p.samples[w.rid] = w.pieces
                 before = asm.bytes_decoded
@@ -255,11 +263,12 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
                     item = _item(self.format, asm, w.rid, self.inputs)
                 except TokensDiffer as e:  # not this dataset's sample: merge leaves it out too
                     self.skipped[w.rid] = str(e)
+                    progress.settle(w)
                     continue
                 finally:
                     del p.samples[w.rid]
                 self.bytes_decoded += asm.bytes_decoded - before
-                self._yielded.append(w.rid)  # in the state before the item is handed out
+                progress.settle(w)  # in the state before the item is handed out
                 yield item
                 if self._stop:
                     return
