@@ -126,7 +126,6 @@ def test_of_unmarked_traffic_the_hash_picks_a_quarter_whole_and_the_rest_keep_th
     cap = Captured([served["dump"]])
     got = {rid for rid in cap.pieces if rid in ids}
     assert got == want
-    assert not set(cap.pieces) - set(ids) - set(served["marked_ids"]) - {"send-0", "send-1", "send-2"}
     for rid in want:
         chain, reason, _ = cap.judge(rid, len(ids[rid]))
         assert chain is not None, (rid, reason)
