@@ -160,7 +160,8 @@ def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(damaged, tmp_
     """A deleted, a truncated and a bit-flipped step file: the samples they hold are not whole for
     any tool that reads them. Sizes alone (a stat per file) show the first two; the flipped bit
     shows when the file is decoded: merge and verify always decode, send's resume with
-    --check-data, DumpDataset when it reads the sample (a one-line DumpError)."""
+    --check-data, DumpDataset with check_data=N (else when it reads the sample: a one-line
+    DumpError)."""
     from hs_capture.offline.dump_dataset import DumpDataset
     from hs_capture.offline.planning import plan
     from hs_capture.offline.reader import DumpError
@@ -190,6 +191,9 @@ def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(damaged, tmp_
         assert "\n" not in str(e.value) and repr(rid) in str(e.value) and ".L02.hst" in str(e.value)
     for rid in set(ds.rids) - hit:
         ds.by_id(rid)
+    # DumpDataset(check_data=N) decodes every step at open, as merge does: all three out of len
+    checked_ds = DumpDataset(dump, data, check_data=2)
+    assert len(checked_ds) == len(rows) - len(hit) and set(checked_ds.incomplete) == hit
     # the plan the tools share, with every step decoded first: all three left out, each with its cause
     p = plan([dump], {r["id"]: len(r["input_ids"]) for r in rows}, check_jobs=2)
     assert set(p.incomplete) == hit and set(p.samples) == {r["id"] for r in rows} - hit

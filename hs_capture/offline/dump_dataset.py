@@ -87,12 +87,15 @@ class DumpDataset(torch.utils.data.Dataset):
         return super().__new__(FollowingDumpDataset if follow and cls is DumpDataset else cls)
 
     def __init__(self, dumps: Dumps, dataset: Optional[str] = None, keys: str = "hscap", follow: bool = False,
-                 window_bytes: int = WINDOW_BYTES) -> None:
+                 window_bytes: int = WINDOW_BYTES, check_data: int = 0) -> None:
+        """check_data=N: decode every step first in N processes, as merge does, so a step whose
+        bytes are damaged (not only short or missing: sizes show those) leaves its samples out of
+        len and in `incomplete`; 0 (the default) opens at once, and such a sample fails when read."""
         self.format = _format(keys)
         self.keys = keys
         self.dumps = [dumps] if isinstance(dumps, str) else list(dumps)
         self.inputs = _inputs(dataset)
-        self.plan: Plan = plan(self.dumps, _lengths(self.inputs))
+        self.plan: Plan = plan(self.dumps, _lengths(self.inputs), check_jobs=check_data)
         _check(self.format, self.plan.prenorm, self.plan.layers)
         # merge's rows: the dataset's order, else rid order, incomplete samples included
         order = self.inputs.order if self.inputs else sorted(set(self.plan.samples) | set(self.plan.incomplete))
