@@ -163,7 +163,7 @@ def measure(tensors: List[torch.Tensor], name: str, make, repeats: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join(HERE, "codec.results.json"))
+    p.add_argument("--out", default=os.path.join(HERE, "codec.cpu2.results.json"))
     p.add_argument("--quick", action="store_true", help="less data, one repeat (a smoke run)")
     a = p.parse_args()
     n = 2048 if a.quick else 16384

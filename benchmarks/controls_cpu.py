@@ -1,7 +1,7 @@
 """Do gpu/purpose.py's controls separate from the right drafter, and would another language
 separate them further? A check on the CPU, before GPU time is spent on it.
 
-For each language: the CPU-sized target of gpu/language.py (the same DeepSeek-V3 shape, smaller)
+For each language: the CPU-sized target of gpu/lib/language.py (the same DeepSeek-V3 shape, smaller)
 trained with transformers; its states from transformers' own forward (hidden_states[i] enters
 layer i: the hook's convention); an EAGLE-3-shaped drafter (fc of three states + the next
 token's frozen target embedding, one causal attention + MLP layer, a head started from the
@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "gpu"))
+sys.path.insert(0, os.path.join(HERE, "gpu", "lib"))
 sys.path.insert(0, os.path.dirname(HERE))
 import language  # noqa: E402
 from tests.sglang_cpu.models import fix_routing  # noqa: E402

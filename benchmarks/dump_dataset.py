@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--dir", default=None, help="where the dump and merge's output go (default: a temp dir)")
-    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "dump_dataset.results.json"))
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "dump_dataset.cpu2.results.json"))
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="hscap-dsbench-", dir=a.dir)
     try:

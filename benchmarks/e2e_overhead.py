@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the capture server (e.g. HSCAP_FSYNC=0)")
     p.add_argument("--both-env", action="append", default=[], help="KEY=VALUE for both servers (e.g. OMP_NUM_THREADS=1)")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "e2e_overhead.results.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "e2e_overhead.cpu2.results.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="hscap-e2e-bench-")
     try:

@@ -153,7 +153,7 @@ def main() -> None:
     p.add_argument("--prefault-gb", type=float, default=0)
     p.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     p.add_argument("--formats", nargs="+", default=["specforge", "hscap"])
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "merge.results.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "merge.cpu2.results.json"))
     a = p.parse_args()
     prefault(a.dir or tempfile.gettempdir(), a.prefault_gb)
     work = tempfile.mkdtemp(prefix="hscap-merge-bench-", dir=a.dir)

@@ -88,7 +88,7 @@ def run(mode: str, model: str, rows: list, data: str, work: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "native_vs_hook.results.json"))
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "native_vs_hook.cpu2.results.json"))
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="hscap-native-")
     try:

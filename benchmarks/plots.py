@@ -21,10 +21,10 @@ from typing import Callable, Dict, List, Tuple
 
 # Every results file read, relative to --root: the one place to change when they are renamed.
 RESULTS: Dict[str, Tuple[str, ...]] = {
-    "rate_sweep": ("benchmarks/gpu/rate_sweep.results.json",),
-    "codec": ("benchmarks/codec.results.json",),
-    "dump_dataset": ("benchmarks/dump_dataset.results.json", "benchmarks/dump_dataset.h200.results.json"),
-    "purpose": ("benchmarks/gpu/purpose.results.json",),
+    "rate_sweep": ("benchmarks/gpu/rate_sweep.h100.results.json",),
+    "codec": ("benchmarks/codec.cpu2.results.json",),
+    "dump_dataset": ("benchmarks/dump_dataset.cpu2.results.json", "benchmarks/dump_dataset.h200.results.json"),
+    "purpose": ("benchmarks/gpu/purpose.h200.results.json",),
 }
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = "docs/img"

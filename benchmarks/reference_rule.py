@@ -21,7 +21,7 @@ compared: all of them here, 4 by default in verify, so it is also judged over ra
 draws (`draws4_failing`: the share of draws with a finding).
 
 usage: python benchmarks/reference_rule.py --dump DUMP --model MODEL [--samples 64] [--device cpu]
-       [--out benchmarks/reference_rule.results.json]
+       [--out benchmarks/reference_rule.cpu2.results.json]
 A CPU dump of a trained target: `benchmarks/gpu/purpose.py --target-size cpu --steps target,on`
 (benchmarks/README.md, reference_rule.py).
 """

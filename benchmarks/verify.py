@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--dir", default=None)
     p.add_argument("--dump", default=None)
     p.add_argument("--prefault-gb", type=float, default=0)
-    p.add_argument("--out", default=os.path.join(HERE, "verify.results.json"))
+    p.add_argument("--out", default=os.path.join(HERE, "verify.cpu2.results.json"))
     a = p.parse_args()
     prefault(a.dir or tempfile.gettempdir(), a.prefault_gb)
     work = tempfile.mkdtemp(prefix="hscap-verify-bench-", dir=a.dir)

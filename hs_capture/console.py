@@ -3,7 +3,7 @@
 - a Ctrl-C while the commands import (click, numpy, torch) ends in one line and exit 130, not
   an import traceback;
 - once a command has returned, the process ends without the interpreter's teardown: with
-  torch imported it takes ~0.5 s, in which a Ctrl-C is either lost or kills the finished
+  torch imported it takes a noticeable while, in which a Ctrl-C is either lost or kills the finished
   process. atexit's callbacks still run (multiprocessing's among them); if a thread is still
   alive the normal exit waits for it as usual.
 """

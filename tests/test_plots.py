@@ -72,11 +72,16 @@ def test_the_chat_servers_get_a_panel_of_their_own(tmp_path):
     root = tree(tmp_path)
     rel = plots.RESULTS["rate_sweep"][0]
     doc = json.loads((root / rel).read_text())
+    for run_ in doc["runs"]:  # the committed results hold chat servers already: drawn without them first
+        run_["summary"] = [s for s in run_["summary"] if not s["server"].startswith("chat-")]
+    (root / rel).write_text(json.dumps(doc))
+    r = run("--root", str(root), "--out", str(tmp_path / "alone"))
+    assert r.returncode == 0, r.stderr
     doc["runs"][-1]["summary"] += [{"server": n, "states_gbps": None, "on_over_off": x, "writer": "process"}
                                    for n, x in (("chat-5", 0.99), ("chat-100", 0.93), ("chat-serve", 0.61))]
     (root / rel).write_text(json.dumps(doc))
     r = run("--root", str(root), "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     with Image.open(tmp_path / "out" / "capture_overhead.png") as im, \
-            Image.open(os.path.join(REPO, plots.OUT, "capture_overhead.png")) as alone:
+            Image.open(tmp_path / "alone" / "capture_overhead.png") as alone:
         assert im.size[0] > alone.size[0]  # the second panel beside the rate one

@@ -11,6 +11,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks", "gpu"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks", "gpu", "lib"))
 
 import language  # noqa: E402
 

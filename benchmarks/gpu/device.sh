@@ -5,7 +5,7 @@
 # staged under $HSCAP_GPU_ROOT (default /root/hscap-gpu). benchmarks/README.md has the figures.
 #   bash benchmarks/gpu/device.sh stage
 #            unpacks chunk 2 (.gpu-bundle/b2) and makes the model and datasets in the background
-#            (benchmarks/gpu/model.py; log in $HSCAP_GPU_ROOT/stage.log); returns at once
+#            (benchmarks/gpu/lib/model.py; log in $HSCAP_GPU_ROOT/stage.log); returns at once
 #   bash benchmarks/gpu/device.sh run [benchmarks/gpu/server.py options]
 #            unpacks chunk 1 (.gpu-bundle/b1), waits up to 5 min for staging, runs server.py
 # The offline benchmarks (no sglang) need only hs_capture's own wheels (.gpu-bundle/b3):
@@ -92,17 +92,24 @@ start_bg() {
   sleep 2
 }
 
-# up to WAIT seconds for benchmark NAME; its results ($ROOT/NAME.results.json) and logs go to
-# $RESULTS either way
+# the machine part of a results file's name (benchmarks/README.md): the GPU's model, e.g. h100
+machine() {
+  local m
+  m=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '\b[a-z][0-9]{2,3}\b' | head -1)
+  echo "${m,,}" | grep . || echo gpu
+}
+
+# up to WAIT seconds for benchmark NAME (of SCRIPT.py); its results ($ROOT/NAME.results.json, as
+# SCRIPT.MACHINE.results.json) and logs go to $RESULTS either way
 wait_bg() {
-  local name=$1 out=${RESULTS:-$ROOT/results}
+  local name=$1 script=${2:-$1} out=${RESULTS:-$ROOT/results}
   for i in $(seq "${WAIT:-540}"); do
     [ -e "$ROOT/$name.done" ] && break
     sleep 1
   done
   tail -40 "$ROOT/$name.log"
   mkdir -p "$out"
-  cp "$ROOT/$name.results.json" "$out/" 2>/dev/null || true
+  cp "$ROOT/$name.results.json" "$out/$script.$(machine).results.json" 2>/dev/null || true
   (cd "$ROOT" && tar czf "$out/logs.tar.gz" out "$name.log" stage.log 2>/dev/null) || true
   [ -e "$ROOT/$name.done" ] && echo "$name finished (exit $(cat "$ROOT/$name.done"))" || echo "$name still running"
 }
@@ -111,7 +118,7 @@ case "$cmd" in
 stage)
   mkdir -p "$ROOT/bundle" "$SITE"
   cp .gpu-bundle/b2/cutlass_ir.tar.xz "$ROOT/bundle/"
-  cp benchmarks/gpu/model.py "$ROOT/model.py"
+  cp benchmarks/gpu/lib/model.py "$ROOT/model.py"
   rm -f "$ROOT"/*.done
   setsid nohup bash -c "
     (xz -dc '$ROOT/bundle/cutlass_ir.tar.xz' | tar x -C '$SITE' && touch '$ROOT/b2.done') &
@@ -181,10 +188,10 @@ sweep)
   unpack_and_wait model.done 300
   start_bg sweep env PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/python_packages:." python3 benchmarks/gpu/rate_sweep.py \
     --root "$ROOT" --out "$ROOT/sweep.results.json" --logs "$ROOT/out" ${*:+$(printf '%q ' "$@")}
-  wait_bg sweep
+  wait_bg sweep rate_sweep
   ;;
 sweep-wait)
-  wait_bg sweep
+  wait_bg sweep rate_sweep
   ;;
 *)
   echo "usage: $0 stage | run [server.py options] | offline COMMAND... | trainers COMMAND... | purpose-stage | purpose [options] | purpose-wait | sweep-stage | sweep [rate_sweep.py options] | sweep-wait" >&2; exit 2

@@ -52,9 +52,9 @@ import urllib.request
 from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "lib"))
 import language  # noqa: E402
-from server import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
+from serving import HSCAP, REPO, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 RIGHT, WRONG, SPEC_HOOK = "2,3,5", "1,2,4", "1,4"
 EVERY = "1,2,3,4,5"  # every layer of the 6-layer target after the embeddings (outlier steps)

@@ -40,9 +40,9 @@ import urllib.request
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "lib"))
 import language  # noqa: E402
-from server import HSCAP, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
+from serving import HSCAP, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 HIDDEN = language.SIZES["gpu"]["hidden_size"]
 # name -> (layers or None for a plain server, prenorm, environment, dump on "shm" or "disk", load)

@@ -1,7 +1,7 @@
 """SpecForge and speculators train straight from a dump on a machine with an NVIDIA GPU, beside
 the same trainer on `hscap merge`'s output of the same dump, through each trainer's own command.
 
-The fixture (benchmarks/gpu/train_fixture.sh makes it with the real SGLang on a CPU): a tiny
+The fixture (benchmarks/gpu/lib/train_fixture.sh makes it with the real SGLang on a CPU): a tiny
 random DeepSeek-V3 (model/), its dump captured in bfloat16 with layers 2,3,5 and the pre-norm
 state (dump/), the JSONL sent (data.jsonl) and speculators' own prepared dataset of the same
 samples, sent too (sp/). For each trainer: one run on merged files, one through `hscap train`

@@ -52,7 +52,7 @@ def graph_off_flags(python: str) -> List[str]:
 
 
 def graph_off_flags_declared(python: str) -> Optional[List[str]]:
-    """graph_off_flags from the release's source (~0.1 s), or None where it declares neither
+    """graph_off_flags from the release's source (no import), or None where it declares neither
     field they are decided by. (A release that moved the prefill field out of the files read
     but kept the piecewise one there would get the piecewise flag: the hook's own check at
     start would then refuse prefill graphs in one line, never lose captures.)"""
@@ -62,7 +62,7 @@ def graph_off_flags_declared(python: str) -> Optional[List[str]]:
 
 
 def graph_off_flags_asked(python: str) -> List[str]:
-    """graph_off_flags from the release itself: imports its server arguments (~8 s)."""
+    """graph_off_flags from the release itself: imports its server arguments (seconds)."""
     package_parent = os.path.dirname(os.path.dirname(HOOK_DIR))
     try:
         out = subprocess.run([python, "-c", _PROBE, package_parent], capture_output=True, text=True, timeout=300,

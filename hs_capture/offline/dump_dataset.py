@@ -187,7 +187,7 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
     processes (a leader, a log, a rendezvous of their states on restart, under fork and spawn)
     and would spread each step over every worker, each decoding it; one reader needs none of
     it, decodes each step once and holds its whole progress in its own state. One process
-    decodes ~0.34 GB/s at hidden 7168 (benchmarks/README.md), ~6x what one GPU's trainer takes.
+    decodes several times what one GPU's trainer takes (benchmarks/README.md, dump_dataset.py).
     Under torch.distributed each sample goes to one rank, by the step that ends it (each step
     decoded about once; the split is fixed when the dataset is made, in the trainer's process).
     The ranks' counts differ: under DDP stop at a step count or use torch's Join.

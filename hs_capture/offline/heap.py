@@ -1,6 +1,6 @@
 """Keep the offline tools' large buffers in the heap. merge and verify decode hundreds of MB
 per step; glibc serves each buffer over 32 MB with a fresh mmap and unmaps it on free, so
-every step pays the kernel's page faults and zeroing again (~35% of verify's time). Raising
+every step pays the kernel's page faults and zeroing again (a large share of verify's time). Raising
 the mmap and trim thresholds lets freed steps be reused. Never called in the server."""
 
 from __future__ import annotations

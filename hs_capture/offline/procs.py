@@ -1,8 +1,8 @@
 """Worker processes for the offline tools (merge, verify).
 
 They come from a fork server that imported the workers' module once, so N workers cost one
-import, not N: torch alone takes ~3.5 s, and 16 spawned workers importing it at once took
-5.4 s on a 16-core host, most of a 24-step merge. The server is a fresh process that only
+import, not N: torch takes seconds to import, and many spawned workers importing it at once
+took most of a short merge's time. The server is a fresh process that only
 imports (no thread, no torch op), so forking it is safe where forking a live torch process
 is not. Started early, it imports while the caller plans. Spawn where there is no fork
 server (not Linux/macOS).
@@ -18,7 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator, Sequence
 
-WORKER_MEMORY = 2 << 30  # a merge worker's peak on 8k-token DeepSeek steps (benchmarks/README.md: 1.8 GB)
+WORKER_MEMORY = 2 << 30  # above a merge worker's peak on 8k-token DeepSeek steps (benchmarks/README.md, merge.py)
 
 
 def cores() -> int:

@@ -149,8 +149,8 @@ def writer_threads(cfg: "CaptureConfig", writers: int = 1) -> int:
 def default_writer_threads(writers_on_host: int = 1) -> int:
     """The usable cores less 4 for the server's own processes (scheduler, tokenizer,
     detokenizer), shared by the writing ranks on this host; 2 to 12. One writer on a 16-core
-    H200 host gets 12: ~2.9 GB/s of bf16 states (benchmarks/gpu/capture.py), above the ~2.0
-    GB/s benchmarks/gpu/server.py's server produces."""
+    host gets 12, more than a GPU server's prefill produces (the writer's rate by threads and
+    the server's rate of states: benchmarks/README.md, gpu/capture.py and gpu/server.py)."""
     return max(2, min(12, (usable_cores() - 4) // max(1, writers_on_host)))
 
 
@@ -160,9 +160,10 @@ _SPARE_STEPS = 4  # steps that may wait for a thread before the forward does
 
 def inflight_budget(threads: int, step_bytes: int) -> int:
     """The default in-flight budget: every thread busy on a full step with a few more waiting
-    (so that all of them can compress at once: 4 GiB held only ~8 of the H200's 470 MB steps,
-    and 12 threads compressed 4 of them), capped at an eighth of the host's memory but never
-    below 4 GiB: the floor wins on a host with less than 32 GiB (e.g. 4 GiB on 23 GiB)."""
+    (so that all of them can compress at once: a fixed 4 GiB holds only a few full prefill
+    steps of a large model, too few for 12 threads; benchmarks/README.md, gpu/sustained.py),
+    capped at an eighth of the host's memory but never below 4 GiB: the floor wins on a host
+    with less than 32 GiB (e.g. 4 GiB on 23 GiB)."""
     want = max(_MIN_INFLIGHT, (threads + _SPARE_STEPS) * max(0, step_bytes))
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

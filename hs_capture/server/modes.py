@@ -1,8 +1,8 @@
 """The server's scheduler and CUDA-graph modes, and the ones capture cannot be right under:
 one rule for the hook's start-up (which refuses them) and for `hscap doctor` (which BLOCKs).
 
-Measured on the H200 (benchmarks/gpu/server.py): the overlap scheduler and decode CUDA
-graphs are right with capture on. Prefill CUDA graphs are not (the forward wrapper runs only
+The overlap scheduler and decode CUDA graphs are right with capture on (checked on a GPU:
+benchmarks/README.md, gpu/server.py). Prefill CUDA graphs are not (the forward wrapper runs only
 while a graph is captured: captures vanish), nor is two-batch overlap (SGLang skips the
 aux captures of layers >= first_k_dense_replace in its overlapped path).
 """

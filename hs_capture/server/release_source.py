@@ -1,9 +1,8 @@
 """What an installed SGLang release declares, read from its source files without importing it.
 
 `hscap serve` asks the server's release which flags it has before every start. Importing
-sglang's server arguments to find out costs ~8 s on a CPU host and more beside CUDA's
-libraries, and the server then imports them all again; the field declarations say the same
-in a fraction of a second. Where the files do not say (a layout this reader does not know, a
+sglang's server arguments to find out takes seconds (more beside CUDA's libraries), and
+the server then imports them all again; the field declarations say the same far sooner. Where the files do not say (a layout this reader does not know, a
 file this Python cannot parse), the caller asks the release itself.
 """
 

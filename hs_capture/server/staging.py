@@ -1,8 +1,8 @@
 """Getting captured tensors off the device without stalling it.
 
 CUDA tensors are copied asynchronously into pinned host buffers on a side stream
-(`.cpu()` blocks the step and ran ~47x slower on an H200: 1.1 vs 53 GB/s); the
-writer thread waits on the copy's event. CPU tensors are cloned: SGLang reuses
+(`.cpu()` blocks the step and copies through pageable memory; the rates:
+benchmarks/README.md, gpu/capture.py); the writer thread waits on the copy's event. CPU tensors are cloned: SGLang reuses
 its buffers once forward returns.
 
 The side-stream copy runs LATER than the forward's own stream moves on. Under SGLang's
@@ -98,8 +98,8 @@ def _memfd(name: str, nbytes: int) -> int:
 
 
 class PinnedPool:
-    """Reusable host buffers (HostBuffer), one per step. Pinning runs at ~1 GB/s, so it must
-    never happen in a forward: `prewarm` pins full-size steps on a background thread, buffers
+    """Reusable host buffers (HostBuffer), one per step. Pinning host memory is slow (every
+    page is locked), so it must never happen in a forward: `prewarm` pins full-size steps on a background thread, buffers
     are recycled best-fit, and once `cap` bytes are pinned a step waits for a buffer the writer
     gives back (back-pressure) instead of pinning more. Only a step larger than every buffer
     made is pinned anew: buffers cut short of the real step therefore serialize every full step

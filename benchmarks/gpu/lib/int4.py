@@ -6,7 +6,7 @@ Writes OUT (the Kimi-K2.5 wrapper checkpoint with the packed experts, what the s
 and OUT/text_model: the same model with every expert weight dequantized (q * scale, float32),
 which transformers reads as the reference of the quantized server's states.
 
-usage: python benchmarks/gpu/int4.py MODEL_DIR OUT
+usage: python benchmarks/gpu/lib/int4.py MODEL_DIR OUT
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from typing import Dict, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
 from tests.sglang_cpu.models import wrap_kimi_k25  # noqa: E402
 
 GROUP = 32

@@ -11,7 +11,7 @@ kv_lora_rank 512 + rope 64, MoE with a shared expert; 24 routed experts, 8 per t
 biases 2 apart so each layer's top-8 is fixed and bf16 picks the experts float32 does), trained
 with transformers, stored in bfloat16.
 
-usage: python benchmarks/gpu/language.py OUT_MODEL [--steps 600] [--size gpu|cpu]
+usage: python benchmarks/gpu/lib/language.py OUT_MODEL [--steps 600] [--size gpu|cpu]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Dict, List, Sequence, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, REPO)
 from tests.sglang_cpu.models import VOCAB, fix_routing, wrap_kimi_k25  # noqa: E402
 

@@ -7,7 +7,7 @@ sglang 0.5.15's Triton MLA backend: kv_lora_rank 512 + rope 64 (its decode kerne
 head width 576 or 288 only); 24 routed experts (not a power of two: keeps flashinfer's JIT
 top-k kernel, whose data the bundle leaves out, off).
 
-usage: python benchmarks/gpu/model.py MODEL_DIR DATA_DIR [--timed N]
+usage: python benchmarks/gpu/lib/model.py MODEL_DIR DATA_DIR [--timed N]
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 # CPU (the test venv, bin/setup_env.sh): a tiny random DeepSeek-V3 stored in bfloat16 (what the
 # server computes in), 48 samples captured in bfloat16 with layers 2,3,5 and the pre-norm state,
 # sent as data.jsonl and again as speculators' own prepared dataset (sp/, rows "0".."47").
-#   bash benchmarks/gpu/train_fixture.sh OUT_DIR
+#   bash benchmarks/gpu/lib/train_fixture.sh OUT_DIR
 set -euo pipefail
 W=$(realpath -m "${1:?usage: train_fixture.sh OUT_DIR}"); PORT=${PORT:-30123}
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 source .venv/bin/activate
 rm -rf "$W"; mkdir -p "$W"
 python bin/tiny_model.py "$W/model" --data "$W/data.jsonl" --samples 48

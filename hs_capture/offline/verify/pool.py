@@ -1,6 +1,6 @@
 """How verify reads in parallel: a random sample of the work, then either worker processes
 (dump steps: each decoded and checked in one process, its findings sent back; threads in one
-process stopped scaling at ~3.5x on 16 cores) or a thread pool with a bounded window (merged
+process did not scale with the cores) or a thread pool with a bounded window (merged
 samples: at most 2 x jobs items decoded or queued at once). Memory stays at a few steps or
 samples per worker whatever the dump's size."""
 
