@@ -57,6 +57,10 @@ SERVERS: Dict[str, tuple] = {
     "pre3-thread-2": ("2,3,5", True, {"HSCAP_WRITER": "thread", "HSCAP_WRITER_THREADS": "2"}, "shm", "ab"),
     "pre3-raw": ("2,3,5", True, {"HSCAP_CODEC": "raw"}, "shm", "ab"),
     "pre3-disk": ("2,3,5", True, {}, "disk", "a"),
+    # the writer process's place on the host, set from outside once the server is up (tune_writer)
+    "pre3-idle": ("2,3,5", True, {"WRITER": "idle"}, "shm", "ab"),  # SCHED_IDLE: runs only on idle cores
+    "pre3-cores": ("2,3,5", True, {"WRITER": "cores"}, "shm", "ab"),  # kept to the last half of the cores
+    "pre3-t6": ("2,3,5", True, {"HSCAP_WRITER_THREADS": "6"}, "shm", "ab"),
     # production-like traffic, the radix cache on (see above)
     "chat-off": (None, False, {}, "shm", "chat"),
     "chat-5": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0.05"}, "shm", "chat"),
@@ -163,6 +167,30 @@ class CoreMeter:
         self.busy_cores = round(busy / max(1, t1 - self.t0) * (os.cpu_count() or 1), 2)
 
 
+def tune_writer(pgid: int, how: Optional[str]) -> Optional[dict]:
+    """Move every thread of the server's writer process: `idle` (SCHED_IDLE) or `cores` (the last
+    half of the host's cores, the first half left to SGLang's processes). What a setting of the
+    writer would do, tried from outside before it is one."""
+    if not how:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    moved = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"writer_process" not in f.read() or os.getpgid(int(pid)) != pgid:
+                    continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if how == "idle":
+                    os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                else:
+                    os.sched_setaffinity(int(tid), cpus[len(cpus) // 2:])
+                moved.append(int(tid))
+        except (OSError, ValueError):
+            continue
+    return {"how": how, "threads": len(moved)}
+
+
 def process_cpu(pgid: int) -> Dict[str, float]:
     """CPU seconds of every process in the server's process group, by name (pid appended)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -220,6 +248,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     srv = Server(cmd, env, log_path, port)
     try:
         res["startup_s"] = round(srv.wait_healthy(), 1)
+        res["writer_tuned"] = tune_writer(srv.proc.pid, extra_env.get("WRITER"))
         if chat:
             send_chat(srv.url, data, warm=True)
             with CoreMeter() as cores:
