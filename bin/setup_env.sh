@@ -36,7 +36,7 @@ pip() {  # in $VENV
 pip install torch==2.14.1 torchvision==0.29.1
 pip install --no-deps sglang==0.5.23 xgrammar==0.2.7
 # the training frameworks (--no-deps: their GPU stacks are left out; what their own commands need
-# to start is in requirements/test-lock.txt, README "By hand on this CPU" says where each stops)
+# to start is in requirements/test-lock.txt, docs/cpu.md "By hand on this CPU" says where each stops)
 pip install --no-deps specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0 nvidia-modelopt==0.47.0
 pip install -r requirements/test-lock.txt
 pip install --no-deps -e .

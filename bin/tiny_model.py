@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A tiny random DeepSeek-V3 (6 layers, hidden 256, vocabulary 1024, float32) made with
-transformers, and a JSONL dataset for it: what README "By hand on this CPU" serves.
+transformers, and a JSONL dataset for it: what docs/cpu.md "By hand on this CPU" serves.
 
 Beside the weights it writes the two files a real checkpoint has and the trainers' own
 commands look for: a tokenizer (word level: token i is the word `t<i>`, 0 and 1 are `<s>`

@@ -275,23 +275,18 @@ def test_a_live_dataset_is_a_dump_dataset_and_windows_count_the_stored_dtype(ser
 
 
 def test_the_readme_snippets_run_as_written(served_dump):
-    """README "Train straight from the dump": both Python blocks, run as written, with the
-    example paths pointed at this test's dump and dataset."""
-    import re
+    """docs/training.md "Train straight from the dump": both Python blocks (marked
+    `<!-- dump-dataset -->`, README.md's and docs/'s), run as written, with the example paths
+    pointed at this test's dump and dataset."""
+    from tests.test_readme_commands import BLOCKS
 
-    from tests.sglang_cpu.harness import REPO
-
-    with open(os.path.join(REPO, "README.md")) as f:
-        text = f.read()
-    section = text[text.index("## Train straight from the dump"):]
-    section = section[:section.index("\n## ", 1)]
-    blocks = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    blocks = BLOCKS["snippets"]
     assert len(blocks) == 2
     for code in blocks:
         assert '"/data/hs"' in code and '"data.jsonl"' in code
         code = code.replace('"/data/hs"', repr(served_dump["dir"])).replace('"data.jsonl"', repr(served_dump["data"]))
         scope = {}
-        exec(compile(code, "README.md", "exec"), scope)
+        exec(compile(code, "docs/training.md", "exec"), scope)
         assert isinstance(scope["ds"], DumpDataset)
     # the live block's loader, iterated: the run is closed, so every sample comes and it ends
     got = [item["input_ids"].tolist() for item in scope["loader"]]

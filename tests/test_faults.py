@@ -1,7 +1,7 @@
 """Faults against the REAL CPU server: kill -9 mid-capture and resume, a full disk (a tmpfs
 made by the test) and the free-space floor, a slow disk with the drop policy, two servers on
 one HSCAP_DIR, hostile rids, and the permissions of what is written. Each ends with what
-`hscap verify` and `hscap merge` make of the dump. The README's fault table cites these."""
+`hscap verify` and `hscap merge` make of the dump. docs/faults.md's table states these (CONTRIBUTING.md maps them)."""
 
 import json
 import os

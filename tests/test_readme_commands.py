@@ -1,15 +1,25 @@
-"""The README's own commands, taken from its text and run as written on this CPU.
+"""The commands of README.md and docs/*.md, taken from their text and run as written on this CPU.
 
-README "By hand on this CPU" marks its fenced blocks with HTML comments:
-  <!-- cpu-env -->            the lines every other block runs after (venv, $W, $PORT)
+Every ```bash and ```python block of those files carries an HTML comment on the line above it
+that says how it is run (a block without one fails here):
+  <!-- cpu-env -->            the lines every other CPU block runs after (venv, $W, $PORT)
   <!-- cpu-recipe -->         serve -> send -> merge -> verify, run in order as one script
                               (one server for all of it)
   <!-- cpu-trainer: NAME -->  a trainer's own command(s), each followed by a line
                               `# stops: MESSAGE`: where it stops on a CPU
+  <!-- cpu-demo -->           `bash bin/setup_env.sh && ...`: the set-up is the one this suite
+                              runs under (.ci/run), the rest runs as written (its --out in a
+                              temp dir)
+  <!-- deployment -->         a GPU deployment's paths and models: every `hscap` command in it is
+                              parsed by hscap's own CLI (options, arguments, choices; paths need
+                              not exist), every SGLang argument list (`hscap serve|doctor -- ...`,
+                              `python -m sglang.launch_server ...`) by SGLang's own parser; then
+                              the block is reported skipped, with that reason
+  <!-- dump-dataset -->       Python: run by tests/test_dump_dataset.py on a real dump
 The recipe must end on verify's PASS (exit 0) with every sample merged in all three formats;
-each trainer command must fail with exactly the message the README names (so it got past
+each trainer command must fail with exactly the message the block names (so it got past
 its imports and argument parsing to that point). Every `specforge`/`speculators` subcommand
-any README block names must exist. The ModelOpt block runs as written in `.venvs/modelopt`
+any block names must exist. The ModelOpt block runs as written in `.venvs/modelopt`
 (its launch_train.sh, main.py, and `hscap train modelopt` from the dump, with no PYTHONPATH) and
 needs a Model-Optimizer checkout (MODELOPT_EXAMPLES=.../examples/speculative_decoding): skipped,
 with the reason, without one.
@@ -21,35 +31,60 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 
+import click
 import pytest
 
 from tests.sglang_cpu.harness import REPO, free_port
 
 README = os.environ.get("README_UNDER_TEST") or os.path.join(REPO, "README.md")
-MARKED = re.compile(r"<!-- (cpu-env|cpu-recipe|cpu-trainer: ([\w-]+)) -->\s*\n```bash\n(.*?)^```", re.S | re.M)
-FENCED = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+DOCUMENTS = [README] + sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+MARKS = r"cpu-env|cpu-recipe|cpu-demo|deployment|dump-dataset|cpu-trainer: ([\w-]+)"
+MARKED = re.compile(r"<!-- (" + MARKS + r") -->\s*\n```(?:bash|python)\n(.*?)^```", re.S | re.M)
+FENCED = re.compile(r"^```(?:bash|python)\n(.*?)^```", re.S | re.M)
 STOPS = "# stops: "
 SAMPLES = 12  # bin/tiny_model.py's default
+SETUP = "bash bin/setup_env.sh && "
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
 
 
 def readme_blocks() -> dict:
-    with open(README) as f:
-        text = f.read()
-    env, recipe, trainers = [], [], {}
-    for m in MARKED.finditer(text):
-        if m.group(1) == "cpu-env":
-            env.append(m.group(3))
-        elif m.group(1) == "cpu-recipe":
-            recipe.append(m.group(3))
-        else:
-            trainers[m.group(2)] = m.group(3)
-    assert len(env) == 1 and recipe and trainers, f"README has no marked CPU blocks ({README})"
-    return {"text": text, "env": env[0], "recipe": recipe, "trainers": trainers}
+    texts, unmarked = {}, []
+    env, recipe, trainers, demo, deployment, snippets = [], [], {}, [], [], []
+    for path in DOCUMENTS:
+        with open(path) as f:
+            text = f.read()
+        rel = os.path.relpath(path, REPO) if path.startswith(REPO) else path
+        texts[rel] = text
+        marked = set()
+        for m in MARKED.finditer(text):
+            marked.add(m.start(3))
+            kind, where = m.group(1), f"{rel}:{_line(text, m.start(3))}"
+            if kind == "cpu-env":
+                env.append(m.group(3))
+            elif kind == "cpu-recipe":
+                recipe.append(m.group(3))
+            elif kind == "cpu-demo":
+                demo.append(m.group(3))
+            elif kind == "deployment":
+                deployment.append((where, m.group(3)))
+            elif kind == "dump-dataset":
+                snippets.append(m.group(3))
+            else:
+                trainers[m.group(2)] = m.group(3)
+        unmarked += [f"{rel}:{_line(text, m.start(1))}" for m in FENCED.finditer(text) if m.start(1) not in marked]
+    assert len(env) == 1 and recipe and trainers, f"no marked CPU blocks in {DOCUMENTS}"
+    return {"texts": texts, "env": env[0], "recipe": recipe, "trainers": trainers, "demo": sorted(set(demo)),
+            "deployment": deployment, "snippets": snippets, "unmarked": unmarked}
 
 
 BLOCKS = readme_blocks()
@@ -182,14 +217,14 @@ def test_trainer_command_stops_where_the_readme_says(recipe, name):
 
 
 def test_trainer_subcommands_the_readme_names_exist():
-    """Every `specforge X` / `speculators X` line of any README block names a subcommand that
-    exists (the README's commands with placeholders cannot run as they are): those the marked
+    """Every `specforge X` / `speculators X` line of any block names a subcommand that
+    exists (the commands with placeholders cannot run as they are): those the marked
     CPU blocks run are checked by running them (above), any other by `X --help` exiting 0."""
     def subcommands(blocks):
         return {tuple(line.split()[:2]) for block in blocks for line in block.splitlines()
                 if len(line.split()) >= 2 and line.split()[0] in ("specforge", "speculators")}
 
-    named = subcommands(FENCED.findall(BLOCKS["text"]))
+    named = subcommands(b for text in BLOCKS["texts"].values() for b in FENCED.findall(text))
     run = subcommands(BLOCKS["recipe"] + list(BLOCKS["trainers"].values()))
     assert {("speculators", "prepare-data"), ("speculators", "train"), ("specforge", "train")} <= run
     assert ("speculators", "prepare-data") in named
@@ -197,3 +232,113 @@ def test_trainer_subcommands_the_readme_names_exist():
         res = subprocess.run([os.path.join(REPO, ".venv", "bin", prog), sub, "--help"], capture_output=True,
                              text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
         assert res.returncode == 0, f"`{prog} {sub} --help` exited {res.returncode}:\n{(res.stdout + res.stderr)[-3000:]}"
+
+
+def test_every_command_block_says_how_it_is_run():
+    assert not BLOCKS["unmarked"], "blocks with no marker comment above them (see this file's docstring): " + \
+        ", ".join(BLOCKS["unmarked"])
+    assert BLOCKS["demo"] and BLOCKS["deployment"] and len(BLOCKS["snippets"]) == 2
+
+
+@pytest.mark.parametrize("block", BLOCKS["demo"])
+def test_the_demo_runs_as_written_and_passes(block):
+    assert block.startswith(SETUP) and block.count("\n") == 1, block
+    command = block[len(SETUP):].strip()
+    out = tempfile.mkdtemp(prefix="hscap-demo-")
+    tmp = tempfile.mkdtemp(prefix="hscap-demo-tmp-")
+    try:
+        assert " --out out/demo" in command
+        res = run_script(command.replace(" --out out/demo", f" --out {out}/demo"), clean_env(out, free_port(), tmp),
+                         timeout=900)
+        assert res.returncode == 0, res.stdout[-6000:]
+        assert res.stdout.rstrip().splitlines()[-1].startswith("PASS"), res.stdout[-4000:]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shell_commands(block: str) -> list:
+    """Each simple command of a bash block as its words: continuation lines joined, comments
+    dropped, split at `;`, `&&`, `|`, `&`, `$(`...`)`, leading VAR=value words dropped."""
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lex.whitespace_split = True
+        words = []
+        for token in list(lex) + [";"]:
+            if token and set(token) <= set("();<>|&"):
+                while words and re.match(r"^\w+=", words[0]):
+                    words.pop(0)
+                if words:
+                    commands.append(words)
+                words = []
+            else:
+                words.append(token)
+    return commands
+
+
+def sglang_arguments(words: list, parsed: dict):
+    """The SGLang argument list a command hands to the server (`hscap serve|doctor`'s as
+    hscap's own CLI parsed them), or None."""
+    if words[0] == "hscap" and "sglang_args" in parsed:
+        return [a for a in parsed["sglang_args"] if a != "--"]
+    if words[:3] == ["python", "-m", "sglang.launch_server"]:
+        return words[3:]
+    return None
+
+
+def hscap_parse(words: list, monkeypatch) -> tuple:
+    """(why hscap's own CLI would refuse these words, or ''; the parameters it parsed). Paths
+    need not exist here."""
+    from hs_capture.cli import main
+
+    ctx = click.Context(main, info_name="hscap")
+    command = main.get_command(ctx, words[1]) if len(words) > 1 else None
+    if command is None:
+        return f"no such command: {' '.join(words[:2])}", {}
+    for param in command.params:
+        if isinstance(param.type, click.Path):
+            monkeypatch.setattr(param.type, "exists", False)
+    try:
+        return "", command.make_context(words[1], list(words[2:]), parent=ctx).params
+    except click.exceptions.Exit:
+        return "", {}
+    except click.ClickException as e:
+        return f"{' '.join(words)}: {e.format_message()}", {}
+
+
+SGLANG_PARSE = """
+import argparse, contextlib, io, json, sys
+from sglang.srt.server_args import ServerArgs
+bad = []
+for args in json.loads(sys.stdin.read()):
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            parser.parse_args(args)
+    except SystemExit:
+        bad.append(" ".join(args) + ": " + err.getvalue().strip().splitlines()[-1])
+print(json.dumps(bad))
+"""
+
+
+@pytest.mark.parametrize("where,block", BLOCKS["deployment"], ids=[w for w, _ in BLOCKS["deployment"]])
+def test_deployment_block_parses(where, block, monkeypatch):
+    problems, server_args = [], []
+    for words in shell_commands(block):
+        problem, parsed = hscap_parse(words, monkeypatch) if words[0] == "hscap" else ("", {})
+        problems.append(problem)
+        args = sglang_arguments(words, parsed)
+        if args is not None:
+            server_args.append(args)
+    if server_args:
+        res = subprocess.run([sys.executable, "-c", SGLANG_PARSE], input=json.dumps(server_args), capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+        assert res.returncode == 0, res.stderr[-3000:]
+        problems += json.loads(res.stdout.strip().splitlines()[-1])
+    problems = [p for p in problems if p]
+    assert not problems, f"{where}:\n" + "\n".join(problems)
+    pytest.skip(f"{where}: a GPU deployment's paths and models; its hscap commands and SGLang arguments parse, "
+                "not run here")

@@ -104,7 +104,7 @@ def test_hscap_train_runs_modelopts_main_on_the_dump(served_dump, tiny_target, t
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out[-4000:]
     assert "'train_runtime'" in out, out[-4000:]
     # the trained drafter is written; main.py's final save then pickles its HfTrainingArguments,
-    # a dataclasses.make_dataclass class Python 3.11 cannot pickle (3.12 can): README "By hand on this CPU"
+    # a dataclasses.make_dataclass class Python 3.11 cannot pickle (3.12 can): docs/cpu.md "By hand on this CPU"
     assert os.path.exists(os.path.join(ckpt, "model.safetensors")), out[-4000:]
     assert p.returncode == 0 or "Can't pickle <class 'types.HfTrainingArguments'>" in out, out[-4000:]
 

@@ -1,7 +1,7 @@
 """One training step of a trainer's OWN model code on merge's output, where that trainer runs
 on a CPU: nvidia-modelopt 0.47.0's EAGLE-3 (in the ModelOpt overlay venv that
 bin/setup_env.sh makes; tests/trainer_steps/modelopt_step.py). SpecForge 0.2.0 and
-speculators 0.9.0 train on a GPU only (README "From capture to training"); their own data
+speculators 0.9.0 train on a GPU only (docs/training.md "Layer ids for the engine that serves the drafter"); their own data
 loaders read the same output in test_merge.py and test_speculators_e2e.py."""
 
 import json

@@ -16,7 +16,7 @@ from hs_capture.server.bootstrap import HOOK_DIR
 from hs_capture.server.sglang_compat import PREFILL_GRAPH_FIELDS, prefill_graph_off_flags
 
 
-# The flags capture needs, each for a reason (README "Capture on a GPU deployment"):
+# The flags capture needs, each for a reason (docs/capture.md "The flags hscap serve adds"):
 # Prefill CUDA graphs would run the forward wrapper only at graph capture: captures vanish.
 # Decode is never captured, so its graphs stay on. Which flag turns prefill graphs alone off
 # depends on the release: asked of the server's own Python.
@@ -132,7 +132,7 @@ def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], 
     Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
     from 0.5.15, --disable-piecewise-cuda-graph in 0.5.10-0.5.14; decode CUDA graphs and
     the overlap scheduler stay on), --disable-radix-cache (unless --keep-radix-cache) and
-    --skip-server-warmup (see README); every other flag is passed through.
+    --skip-server-warmup (see docs/capture.md); every other flag is passed through.
     """
     settings = {"HSCAP_DIR": os.path.abspath(dump_dir)}
     if layers:

@@ -18,7 +18,7 @@ from hs_capture.offline.trainers import NAMES, load
 def train_cmd(trainer: str, dataset: Optional[str], args: Tuple[str, ...]) -> None:
     """Run TRAINER's own training command on a dump: no merge pass, no second copy.
 
-    Point the trainer's own offline-data argument at the dump dir (README, "Train straight from
+    Point the trainer's own offline-data argument at the dump dir (docs/training.md, "Train straight from
     the dump"); everything after `--` is the trainer's own command line. Any other path goes to
     the trainer untouched."""
     from hs_capture.offline.trainers.patching import run

@@ -48,7 +48,7 @@ def _check_device(name: str) -> None:
               help="How many random samples --reference recomputes.")
 @click.option("--atol", type=float, default=None,
               help="--reference: a fixed absolute bound. Default: 1e-4 for float32 dumps; bf16/fp16 dumps are "
-                   "held to transformers' own error in that dtype (README).")
+                   "held to transformers' own error in that dtype (docs/verify.md).")
 @click.option("--rtol", type=float, default=None, help="--reference: a fixed relative bound (default 0 with --atol).")
 @click.option("--layers", callback=_layers, help="Merged output without merge_report.json: its aux layers.")
 @click.option("--max-findings", type=click.IntRange(1), default=20, show_default=True,

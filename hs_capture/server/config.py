@@ -1,6 +1,6 @@
 """Capture settings, read from the environment once per process.
 
-Every variable is documented in README.md. Parsing errors raise ConfigError, whose
+Every variable is documented in docs/settings.md. Parsing errors raise ConfigError, whose
 message is the one line the server prints before it refuses to start.
 """
 

@@ -7,7 +7,7 @@ own run config with the dump where merge's output would be:
 
     model:
       target_model_path: /models/DeepSeek-V3
-      aux_hidden_state_layer_ids: [1, 29, 57]   # the ids merge prints for 2,30,58 (README, "From capture to training")
+      aux_hidden_state_layer_ids: [1, 29, 57]   # the ids merge prints for 2,30,58 (docs/training.md)
       torch_dtype: bfloat16
     data:
       hidden_states_path: /data/hs              # the dump dir (or one run dir), not merge's output
