@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import wrapt
 
@@ -73,12 +73,11 @@ def uninstrument_restores_the_originals(make: Callable[[], Any], places: List[Pl
 
 
 def refuses_to_stack(make: Callable[[], Any], places: List[Place], instrument: Callable[[Any], Any],
-                     said: Callable[[Callable[[], Any]], str], stops: bool,
-                     names: Optional[Dict[Place, List[str]]] = None) -> None:
+                     said: Callable[[Callable[[], Any]], str], stops: bool) -> None:
     """With someone else's wrapper on each point in turn: instrument leaves it as it is and says
-    so, naming it (`said` runs instrument and returns what was said; `names`: other names it may
-    go by, a subclass's). With `stops`, the patch then stands down (every other point as it
-    was); else it patches the others."""
+    so, naming it where it is defined (`said` runs instrument and returns what was said). With
+    `stops`, the patch then stands down (every other point as it was); else it patches the
+    others."""
     originals = current(places)
     for i, (owner, attr) in enumerate(places):
         theirs = foreign(originals[i])
@@ -86,8 +85,7 @@ def refuses_to_stack(make: Callable[[], Any], places: List[Place], instrument: C
         inst = make()
         try:
             message = said(lambda: instrument(inst))
-            named = [where(owner, attr), *(names or {}).get((owner, attr), [])]
-            assert "already wrapped" in message and any(n in message for n in named), \
+            assert "already wrapped" in message and where(owner, attr) in message, \
                 f"the refusal of {where(owner, attr)} does not say so: {message!r}"
             assert vars(owner)[attr] is theirs, f"{where(owner, attr)}: the foreign wrapper was replaced"
             assert not is_wrapped(theirs.__wrapped__), f"{where(owner, attr)}: stacked under the foreign wrapper"
