@@ -41,8 +41,8 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from hs_capture.offline.assemble import Assembler  # noqa: E402
-from hs_capture.offline.planning import plan  # noqa: E402
+from hs_capture.offline.read.assemble import Assembler  # noqa: E402
+from hs_capture.offline.read.planning import plan  # noqa: E402
 from hs_capture.offline.verify.reference import Reference, _judge_noisy, _limits, _Noisy, _row_rel  # noqa: E402
 
 RIGHT = ("server", "transformers_eager")

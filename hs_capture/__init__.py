@@ -17,11 +17,11 @@ def __getattr__(name: str):
     """The datasets import torch: loaded on first use, so the server hook and the CLI start
     without them."""
     if name == "DumpDataset":
-        from hs_capture.offline.dump_dataset import DumpDataset
+        from hs_capture.offline.train.dump_dataset import DumpDataset
 
         return DumpDataset
     if name == "HsCaptureDataset":
-        from hs_capture.offline.dataset import HsCaptureDataset
+        from hs_capture.offline.train.dataset import HsCaptureDataset
 
         return HsCaptureDataset
     raise AttributeError(f"module 'hs_capture' has no attribute {name!r}")

@@ -173,8 +173,8 @@ def _plant(root: str, module: str, path: str) -> None:
 
 
 def trainer_contract(name: str) -> None:
-    from hs_capture.offline.trainers import load
-    from hs_capture.offline.trainers.patching import Unsupported
+    from hs_capture.offline.train.trainers import load
+    from hs_capture.offline.train.trainers.patching import Unsupported
 
     patch = load(name)
     problem = patch.check()

@@ -1,6 +1,6 @@
 """Every document, section and file that a docstring, comment or document of the project cites
 exists: `X.md`, `README "Section"` / `FORMAT.md "Section"` / `docs/capture.md "Section"`, and
-repository paths such as `hs_capture/offline/merge.py` or `benchmarks/gpu/server.py` (a stale
+repository paths such as `hs_capture/offline/merge/merge.py` or `benchmarks/gpu/server.py` (a stale
 citation after a move fails here)."""
 
 import os

@@ -1,4 +1,4 @@
-"""One completeness rule (hs_capture.offline.coverage, planning) for send, merge, verify and
+"""One completeness rule (hs_capture.offline.read.coverage, planning) for send, merge, verify and
 DumpDataset: they agree on a sample split across two runs, on a sample captured whole and then
 again in part in the same run (the radix cache on, the dataset sent twice: the re-send
 recomputes only the last token), which is merged from its whole capture, and on a dump with a
@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from hs_capture.dump import hst as fmt
 from hs_capture.cli import main
 from hs_capture.dump.paths import RankId, step_file
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from hs_capture.dump.files import atomic_write
 from tests.sglang_cpu.harness import serve_and_send, server_env, write_jsonl
 from tests.test_verify import errors, flip_a_bit, verify
@@ -162,9 +162,9 @@ def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(damaged, tmp_
     shows when the file is decoded: merge and verify always decode, send's resume with
     --check-data, DumpDataset with check_data=N (else when it reads the sample: a one-line
     DumpError)."""
-    from hs_capture.offline.dump_dataset import DumpDataset
-    from hs_capture.offline.planning import plan
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.train.dump_dataset import DumpDataset
+    from hs_capture.offline.read.planning import plan
+    from hs_capture.offline.read.reader import DumpError
 
     dump, rows, data, hit = damaged["dump"], damaged["rows"], damaged["data"], damaged["all"]
     assert damaged["flipped"]
@@ -205,8 +205,8 @@ def test_send_merge_verify_and_the_dataset_agree_on_a_damaged_dump(damaged, tmp_
 def test_a_damaged_sample_under_dataloader_workers_is_one_line_in_the_trainers_process(damaged):
     import torch
 
-    from hs_capture.offline.dump_dataset import DumpDataset
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.train.dump_dataset import DumpDataset
+    from hs_capture.offline.read.reader import DumpError
 
     ds = DumpDataset(damaged["dump"], damaged["data"])
     rid = sorted(damaged["flipped"])[0]

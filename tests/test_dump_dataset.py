@@ -1,4 +1,4 @@
-"""DumpDataset: training straight from a dump (hs_capture/offline/dump_dataset.py).
+"""DumpDataset: training straight from a dump (hs_capture/offline/train/dump_dataset.py).
 
 Against the real CPU server's dump (served_dump: layers 2,3,5, pre-norm, chunked at 128):
 every item equals the file `hscap merge` writes for that sample, in every format; read
@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 from hs_capture import DumpDataset, HsCaptureDataset
 from hs_capture.cli import main
 from hs_capture.dump.paths import run_dirs
-from hs_capture.offline.dump_dataset import FollowingDumpDataset
+from hs_capture.offline.train.dump_dataset import FollowingDumpDataset
 from hs_capture.offline.formats.common import sample_file_stem
-from hs_capture.offline.reader import DumpError, open_runs
-from hs_capture.offline.step_sampler import StepWindowSampler, epoch_order, rank_share, worker_interleave
+from hs_capture.offline.read.reader import DumpError, open_runs
+from hs_capture.offline.train.step_sampler import StepWindowSampler, epoch_order, rank_share, worker_interleave
 from tests.sglang_cpu.harness import hf_hidden_states
 from tests.conftest import NUM_LAYERS
 

@@ -16,8 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.offline.planning import Captured
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.planning import Captured
+from hs_capture.offline.read.reader import open_runs
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import LAUNCHER, Server, hf_hidden_states, hscap_send, server_env, write_jsonl
 from tests.sglang_cpu.stitch import stitch

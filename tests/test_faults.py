@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.offline.planning import Captured
+from hs_capture.offline.read.planning import Captured
 from tests.sglang_cpu.harness import REPO, Server, hscap_send, server_env, write_jsonl
 
 CHUNK = ["--chunked-prefill-size", "128", "--disable-radix-cache"]
@@ -46,7 +46,7 @@ def errors(doc, check=None):
 
 def incomplete_by_index(dump, rows):
     """The dataset ids whose captured positions do not cover [0, len): from the index lines
-    alone: the rule send, merge and verify share (hs_capture.offline.coverage through Captured)."""
+    alone: the rule send, merge and verify share (hs_capture.offline.read.coverage through Captured)."""
     cap = Captured([dump], strict=False)
     return {r["id"] for r in rows if cap.judge(r["id"], len(r["input_ids"]))[0] is None}
 

@@ -1,4 +1,4 @@
-"""The live follower's completeness rule (hs_capture/offline/follow.py) on index lines written
+"""The live follower's completeness rule (hs_capture/offline/read/follow.py) on index lines written
 by hand through the dump's own records: lines appended out of step order (several writer
 threads), a line still being appended, a dropped step, a sample re-sent in a later run, a run
 that closes; and a long run (100 k lines) followed in bounded memory, restarted from its compact
@@ -12,8 +12,8 @@ import pytest
 
 from hs_capture.dump.paths import FINAL, index_path, rank_meta_path, step_parts
 from hs_capture.dump.schema import FileRef, RankMeta, SeqEntry, step_line
-from hs_capture.offline.follow import GIVEN_UP_KEPT, Follower, Progress
-from hs_capture.offline.planning import Captured
+from hs_capture.offline.read.follow import GIVEN_UP_KEPT, Follower, Progress
+from hs_capture.offline.read.planning import Captured
 
 TAG = "dp0-tp0-pp0"
 LAYERS = [1, 2]

@@ -93,7 +93,7 @@ def native_dir(root, version=1, shard="shards/part-0of1-000000.hst"):
     ({"shard": "/tmp/part-0of1-000000.hst"}, "leaves the dataset dir"),
 ])
 def test_the_dataset_and_verify_refuse_an_index_of_another_version_or_leaving_the_dir(tmp_path, how, why):
-    from hs_capture.offline.dataset import HsCaptureDataset
+    from hs_capture.offline.train.dataset import HsCaptureDataset
 
     out = native_dir(tmp_path / "out", **how)
     with pytest.raises(ListingError, match=why) as e:
@@ -105,7 +105,7 @@ def test_the_dataset_and_verify_refuse_an_index_of_another_version_or_leaving_th
 
 
 def test_the_dataset_needs_an_index(tmp_path):
-    from hs_capture.offline.dataset import HsCaptureDataset
+    from hs_capture.offline.train.dataset import HsCaptureDataset
 
     with pytest.raises(FileNotFoundError, match="index.json"):
         HsCaptureDataset(str(tmp_path))

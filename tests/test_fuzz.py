@@ -22,7 +22,7 @@ from hs_capture.cli import main
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta, SchemaError, SeqEntry, step_line
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from hs_capture.offline.formats import FORMATS, SampleRef
 from hs_capture.offline.formats.speculators import load_safetensors
 from hs_capture.server.writer import ShardWriter

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hs_capture.offline.output_dir import MANIFEST
+from hs_capture.offline.merge.output_dir import MANIFEST
 from tests.test_merge import files_of
 
 HSCAP = os.path.join(os.path.dirname(sys.executable), "hscap")  # the console script, as users run it

@@ -16,8 +16,8 @@ import time
 import torch
 
 from hs_capture import DumpDataset
-from hs_capture.offline.planning import plan
-from hs_capture.offline.reader import DumpError
+from hs_capture.offline.read.planning import plan
+from hs_capture.offline.read.reader import DumpError
 from tests.sglang_cpu.harness import Server, server_env, write_jsonl
 
 POLL_S = 0.5  # DumpDataset's default, which the README's recipe uses

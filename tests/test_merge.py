@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.offline.output_dir import MANIFEST
+from hs_capture.offline.merge.output_dir import MANIFEST
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import hf_hidden_states, write_jsonl
 
@@ -165,7 +165,7 @@ def test_without_a_dataset_sglangs_warmup_is_left_out_and_said(dump, tmp_path):
     """The fixture's server ran without the launcher, so SGLang's startup warmup (ids [10, 11,
     12], a generated rid) was captured: merge without --dataset must not make it a sample, and
     verify, which plans the same way, must not count it either."""
-    from hs_capture.offline.planning import Captured, plan
+    from hs_capture.offline.read.planning import Captured, plan
 
     users = {r["id"] for r in dump["rows"]}
     warm = [rid for rid in Captured([dump["dir"]]).pieces if rid not in users]
@@ -196,7 +196,7 @@ def test_bad_merge_input_is_one_line(dump, tmp_path):
 
 
 def test_native_packed_shards_random_access_and_resume(dump, tiny_model, tmp_path):
-    from hs_capture.offline.dataset import HsCaptureDataset
+    from hs_capture.offline.train.dataset import HsCaptureDataset
 
     out = str(tmp_path / "native")
     s = run_merge(dump["dir"], "-o", out, "--format", "hscap", "--dataset", dump["data"])
@@ -462,7 +462,7 @@ def test_merge_and_verify_take_one_jobs_default_from_the_machine(monkeypatch):
     from hs_capture.cli.merge_cmd import merge_cmd
     from hs_capture.cli.send_cmd import send
     from hs_capture.cli.verify_cmd import verify_cmd
-    from hs_capture.offline import procs
+    from hs_capture.offline.workers import procs
 
     defaults = {cmd.name: next(p for p in cmd.params if p.name == "jobs").default
                 for cmd in (merge_cmd, verify_cmd, send)}

@@ -14,8 +14,8 @@ import sys
 import pytest
 import wrapt
 
-from hs_capture.offline.trainers import NAMES, load
-from hs_capture.offline.trainers.patching import Point, TrainerPatch, Unsupported
+from hs_capture.offline.train.trainers import NAMES, load
+from hs_capture.offline.train.trainers.patching import Point, TrainerPatch, Unsupported
 from hs_capture.patching import REFUSED, SHARED, WRAPPED, Instrumentor, defining_class, is_ours, owner_of
 from tests import patching_contract as contract
 from tests.sglang_cpu.harness import REPO, SHIMS

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hs_capture.dump.capture_policy import MARK, rid_fraction
-from hs_capture.offline.planning import Captured
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.planning import Captured
+from hs_capture.offline.read.reader import open_runs
 from tests.sglang_cpu.harness import Server, hscap_send, server_env, write_jsonl
 from tests.sglang_cpu.stitch import stitch
 from tests.test_e2e import LAYERS, assert_equal_to_transformers

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from hs_capture.offline.assemble import Assembler
-from hs_capture.offline.planning import plan
+from hs_capture.offline.read.assemble import Assembler
+from hs_capture.offline.read.planning import plan
 from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, _row_rel, compare
 from hs_capture.offline.verify.report import Report
 from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl

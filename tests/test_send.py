@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.offline.coverage import Span, holes, whole_chain
+from hs_capture.offline.read.coverage import Span, holes, whole_chain
 
 
 class FlakyHandler(http.server.BaseHTTPRequestHandler):

@@ -10,7 +10,7 @@ import pytest
 
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.paths import TEMP_MARK, rank_meta_path
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from tests.conftest import NUM_LAYERS
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
 from tests.sglang_cpu.stitch import stitch

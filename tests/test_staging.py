@@ -13,7 +13,7 @@ import torch
 
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import RankId
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from hs_capture.server.staging import Stager, may_be_refilled
 from hs_capture.server.writer import ShardWriter
 from hs_capture.dump.schema import RankMeta, SeqEntry, step_line

@@ -1,4 +1,4 @@
-"""ModelOpt 0.47.0 trains straight from a dump (hs_capture.offline.trainers.modelopt): its own
+"""ModelOpt 0.47.0 trains straight from a dump (hs_capture.offline.train.trainers.modelopt): its own
 EAGLE-3 model, dataset, collator and HF Trainer, on the CPU, with no merged file anywhere.
 Everything ModelOpt runs in its overlay venv (.venvs/modelopt); its training entry, main.py, is
 in a Model-Optimizer checkout (MODELOPT_EXAMPLES=.../examples/speculative_decoding): the test
@@ -37,7 +37,7 @@ def test_modelopt_trains_three_steps_from_the_dump_with_no_merged_file(served_du
     assert got["samples"] == len(served_dump["rows"])
     assert got["dataset"] == "modelopt.torch.speculative.eagle.utils.OfflineSupervisedDataset"
     assert got["dumped_files"] == "_Samples"
-    assert got["sampler"] == "hs_capture.offline.step_sampler.StepWindowSampler"
+    assert got["sampler"] == "hs_capture.offline.train.step_sampler.StepWindowSampler"
     assert got["steps"] == 3 and len(got["losses"]) == 3
     assert all(math.isfinite(x) for x in got["losses"])
     assert got["changed"] == got["trainable"] > 0
@@ -62,7 +62,7 @@ def test_check_names_an_unsupported_release_and_uninstrument_undoes_every_patch(
     code = """if True:
         import json, torch, modelopt, transformers.trainer as t
         import modelopt.torch.speculative.eagle.utils as items
-        from hs_capture.offline.trainers import modelopt as patch
+        from hs_capture.offline.train.trainers import modelopt as patch
         load, sampler = torch.load, t.Trainer._get_train_sampler
         supported = patch.check()
         inst = patch.ModelOptPatch()
@@ -117,7 +117,7 @@ def test_under_accelerate_each_process_reads_its_own_ranks_sampler(served_dump, 
     from torch.utils.data import BatchSampler
 
     from hs_capture import DumpDataset
-    from hs_capture.offline.trainers.modelopt import _Interleaved
+    from hs_capture.offline.train.trainers.modelopt import _Interleaved
 
     ds = DumpDataset(served_dump["dir"], served_dump["data"], keys="modelopt")
     world, batch = 2, 4  # 6 samples a rank: a short last batch
@@ -136,7 +136,7 @@ def test_under_accelerate_each_process_reads_its_own_ranks_sampler(served_dump, 
 def test_data_sample_size_reads_the_first_rows_in_the_dumps_order(served_dump):
     """ModelOpt's data.sample_size=N trains on its first N files; from a dump, the first N rows."""
     from hs_capture import DumpDataset
-    from hs_capture.offline.trainers.modelopt import _Samples
+    from hs_capture.offline.train.trainers.modelopt import _Samples
 
     ds = DumpDataset(served_dump["dir"], served_dump["data"], keys="modelopt")
     files = _Samples(ds, 5)

@@ -1,4 +1,4 @@
-"""SpecForge 0.2.0 trains straight from a dump (hs_capture.offline.trainers.specforge).
+"""SpecForge 0.2.0 trains straight from a dump (hs_capture.offline.train.trainers.specforge).
 
 Against the real CPU server's dump (served_dump: layers 2,3,5 = SpecForge ids 1,2,4, float32):
 `hscap train specforge` runs SpecForge's own `specforge train --config`; its own reader, store,
@@ -27,7 +27,7 @@ from click.testing import CliRunner
 from hs_capture import DumpDataset
 from hs_capture.cli import main
 from hs_capture.offline.formats.common import sample_file_stem
-from hs_capture.offline.trainers import specforge as patch
+from hs_capture.offline.train.trainers import specforge as patch
 from hs_capture.patching import owner_of
 from tests.sglang_cpu.harness import REPO
 

@@ -1,4 +1,4 @@
-"""speculators 0.9.0 trains straight from a dump (hs_capture/offline/trainers/speculators.py).
+"""speculators 0.9.0 trains straight from a dump (hs_capture/offline/train/trainers/speculators.py).
 
 speculators' own prepared dataset of the served samples stays `--data-path`; its hidden states
 come from the dump (`--hidden-states-path DUMP`) instead of `hscap merge --format speculators`'
@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from hs_capture.cli import main
-from hs_capture.offline.trainers import speculators as sp
+from hs_capture.offline.train.trainers import speculators as sp
 
 pytest.importorskip("speculators")
 H = 256
@@ -168,7 +168,7 @@ def test_each_data_parallel_rank_reads_its_own_rows_and_all_step_together(spec, 
 
 
 def test_without_the_dataset_that_was_sent_it_says_what_to_give(spec):
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.read.reader import DumpError
 
     inst = sp.SpeculatorsPatch()
     inst.instrument(None)  # DATA's rows would be ids "0".."N-1"; the dump's are the JSONL's
@@ -255,7 +255,7 @@ def test_an_unsupported_release_is_named_in_one_line(monkeypatch):
 def test_a_damaged_dump_stops_hscap_train_with_verifys_one_line(spec, tmp_path):
     import shutil
 
-    from hs_capture.offline.reader import open_runs
+    from hs_capture.offline.read.reader import open_runs
 
     broken = str(tmp_path / "dump")
     shutil.copytree(spec["dump"], broken)

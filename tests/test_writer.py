@@ -18,7 +18,7 @@ from hs_capture.server import backlog as backlog_mod
 from hs_capture.server import writer as writer_mod
 from hs_capture.server.config import CaptureConfig
 from hs_capture.dump.paths import TEMP_MARK, RankId, index_path, rank_meta_path, temp_name
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from hs_capture.dump.schema import RankMeta, SeqEntry, step_line
 from tests.sglang_cpu.stitch import stitch
 

@@ -17,7 +17,7 @@ import torch
 
 from hs_capture.dump.paths import RankId, index_path, rank_meta_path
 from hs_capture.dump.schema import RankMeta
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from hs_capture.server.config import CaptureConfig
 from hs_capture.server.writer import ShardWriter
 from tests.sglang_cpu.harness import SHIMS

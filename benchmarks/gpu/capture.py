@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from hs_capture.server.config import CaptureConfig  # noqa: E402
 from hs_capture.dump.paths import RankId  # noqa: E402
-from hs_capture.offline.reader import open_runs  # noqa: E402
+from hs_capture.offline.read.reader import open_runs  # noqa: E402
 from hs_capture.server.staging import step_buffer_bytes  # noqa: E402
 from hs_capture.server.writer import ShardWriter  # noqa: E402
 from hs_capture.dump.schema import RankMeta, SeqEntry, step_line

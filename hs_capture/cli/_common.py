@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import click
 
-from hs_capture.offline.procs import default_jobs
+from hs_capture.offline.workers.procs import default_jobs
 
 DUMP_DIR = click.argument("dump_dir", type=click.Path(exists=True, file_okay=False))
 JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hs_capture.offline.reader import DumpError, open_runs
+from hs_capture.offline.read.reader import DumpError, open_runs
 from hs_capture.cli._common import DUMP_DIR, JSON, emit_json
 
 

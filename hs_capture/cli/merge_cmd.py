@@ -10,7 +10,7 @@ import click
 
 from hs_capture.offline.formats import FORMATS, NAMES  # the registry imports no torch: `hscap` starts fast
 from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
-from hs_capture.offline.procs import default_jobs
+from hs_capture.offline.workers.procs import default_jobs
 
 
 def _shard(ctx, param, value: str) -> Tuple[int, int]:
@@ -61,8 +61,8 @@ def merge_cmd(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs:
 
 def _merge(dumps: List[str], out_dir: str, fmt_name: str, dataset: str, jobs: int, shard: Tuple[int, int],
            cache_mb: int, overwrite: bool, quiet: bool, as_json: bool, progress: Progress) -> None:
-    from hs_capture.offline.merge import REPORT, SETTINGS, MergeError, MergeResult, merge
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.merge.merge import REPORT, SETTINGS, MergeError, MergeResult, merge
+    from hs_capture.offline.read.reader import DumpError
 
     def on_progress(r: "MergeResult", total: int, force: bool = False) -> None:
         progress.update(f"merged {r.written + r.skipped_existing}/{total}  {r.tokens:,} tokens  "

@@ -9,9 +9,9 @@ from typing import List, Optional
 import click
 
 from hs_capture.offline import send as sender
-from hs_capture.offline.inputs import BadLine, InputSample, read_inputs
+from hs_capture.offline.read.inputs import BadLine, InputSample, read_inputs
 from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
-from hs_capture.offline.procs import default_jobs
+from hs_capture.offline.workers.procs import default_jobs
 
 
 @click.command()
@@ -46,8 +46,8 @@ def send(dataset: str, url: str, concurrency: int, dump_dirs: List[str], check_d
     prepared dataset directory, row k sent as id "k") to the server's
     /generate with rid = id, one new token, temperature 0. Exit 0 only if every sample was
     sent or was already captured."""
-    from hs_capture.offline.planning import Captured
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.read.planning import Captured
+    from hs_capture.offline.read.reader import DumpError
 
     if check_data and not dump_dirs:
         raise click.UsageError("--check-data checks the dumps --dump-dir names: give one")

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import click
 
-from hs_capture.offline.trainers import NAMES, load
+from hs_capture.offline.train.trainers import NAMES, load
 
 
 @click.command()
@@ -21,7 +21,7 @@ def train_cmd(trainer: str, dataset: Optional[str], args: Tuple[str, ...]) -> No
     Point the trainer's own offline-data argument at the dump dir (docs/training.md, "Train straight from
     the dump"); everything after `--` is the trainer's own command line. Any other path goes to
     the trainer untouched."""
-    from hs_capture.offline.trainers.patching import run
+    from hs_capture.offline.train.trainers.patching import run
 
     problem = run(load(trainer), dataset, list(args))
     if problem:

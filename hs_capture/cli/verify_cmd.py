@@ -8,7 +8,7 @@ from typing import List, Optional
 import click
 
 from hs_capture.cli._common import JOBS_DEFAULT, JSON, QUIET, Progress, emit_json
-from hs_capture.offline.procs import default_jobs
+from hs_capture.offline.workers.procs import default_jobs
 
 
 def _layers(ctx, param, value: Optional[str]) -> Optional[List[int]]:
@@ -63,8 +63,8 @@ def verify_cmd(paths: List[str], dataset: Optional[str], sample: Optional[int], 
     dirs or `hscap merge` output dirs. Every step file of a dump is decoded and checked
     against its crc32s (--sample: K of them); a damaged step makes its samples not whole, by
     the rule send and merge use. Exit 0 only when every check passes."""
-    from hs_capture.offline.inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
-    from hs_capture.offline.heap import keep_large_buffers
+    from hs_capture.offline.read.inputs import BadLine, load_inputs  # the dataset exactly as merge reads it
+    from hs_capture.offline.workers.heap import keep_large_buffers
     from hs_capture.offline.verify import verify
 
     keep_large_buffers()  # decoded steps reuse the heap instead of faulting fresh pages in

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Set, Tuple
 
 from hs_capture.dump.capture_policy import MARK
-from hs_capture.offline.inputs import BadLine, InputSample
+from hs_capture.offline.read.inputs import BadLine, InputSample
 
 
 class ServerError(Exception):

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hs_capture.offline.reader import open_runs
+from hs_capture.offline.read.reader import open_runs
 from tests.sglang_cpu.harness import Server, hf_hidden_states, server_env
 from tests.sglang_cpu.stitch import stitch
 

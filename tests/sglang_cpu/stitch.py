@@ -10,8 +10,8 @@ from typing import Dict, Optional, Set
 import numpy as np
 
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
-from hs_capture.offline.planning import Captured
-from hs_capture.offline.reader import DumpError, Run
+from hs_capture.offline.read.planning import Captured
+from hs_capture.offline.read.reader import DumpError, Run
 
 
 @dataclass

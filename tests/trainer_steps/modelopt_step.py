@@ -10,7 +10,7 @@ the losses of each step on one batch, and how many trainable tensors the first s
     python modelopt_step.py MERGED_DIR TARGET_MODEL_DIR [--steps 3] [--samples 6]
 
 --from-dump: straight from a dump, no merged file anywhere, through hscap's ModelOpt patch
-(hs_capture.offline.trainers.modelopt, instrumented): the dataset and collator are ModelOpt's own,
+(hs_capture.offline.train.trainers.modelopt, instrumented): the dataset and collator are ModelOpt's own,
 built by the patch's stand-in for the checkout's make_speculative_data_module, and a
 transformers Trainer (what ModelOpt's EagleTrainerWithAccLog is) runs --steps optimizer steps on
 batches the patched sampler picks: the losses, the trainer's step count, how many trainable tensors
@@ -107,7 +107,7 @@ def same_as_merged(train_dataset, merged: str) -> dict:
 def from_dump(a) -> dict:
     from transformers import Trainer, TrainingArguments
 
-    from hs_capture.offline.trainers import modelopt as patch
+    from hs_capture.offline.train.trainers import modelopt as patch
 
     inst = patch.ModelOptPatch()
     inst.instrument(a.dataset)

@@ -60,8 +60,8 @@ def verify(paths: Sequence[str], dataset: Optional[Dict[str, List[int]]] = None,
 
 def _dump_samples(p, k: int, rng: random.Random):
     """k random whole samples of the plan the coverage check made (no second planning pass)."""
-    from hs_capture.offline.assemble import Assembler
-    from hs_capture.offline.reader import DumpError
+    from hs_capture.offline.read.assemble import Assembler
+    from hs_capture.offline.read.reader import DumpError
     from hs_capture.offline.verify.reference import Stored
 
     asm = Assembler(p, cache_bytes=256 << 20)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from hs_capture.offline.planning import Plan
+from hs_capture.offline.read.planning import Plan
 from hs_capture.offline.verify.index import Step, check_index
 from hs_capture.offline.verify.pool import pick
 from hs_capture.offline.verify.report import Report

@@ -11,7 +11,7 @@ from typing import Dict, List, Set, Tuple
 
 from hs_capture.dump.paths import DATA, TEMP_MARK, TENSOR_SUFFIX, step_parts
 from hs_capture.dump.schema import IndexLine
-from hs_capture.offline.reader import TORN, Run
+from hs_capture.offline.read.reader import TORN, Run
 from hs_capture.offline.verify.report import ERROR, WARNING, Report
 from hs_capture.offline.verify.runs import check_rank_meta, rel
 

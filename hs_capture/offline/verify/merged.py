@@ -18,7 +18,7 @@ import numpy as np
 from hs_capture.dump import hst as fmt
 from hs_capture.offline.formats import FORMATS, ListingError, MergedSample, SampleRef
 from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK
-from hs_capture.offline.reader import first_mismatch
+from hs_capture.offline.read.reader import first_mismatch
 from hs_capture.offline.verify.pool import bounded_map, pick
 from hs_capture.offline.verify.report import Report
 from hs_capture.offline.verify.values import identical_pairs, value_problems

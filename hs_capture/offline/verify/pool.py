@@ -11,7 +11,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Deque, Iterator, List, Optional, Sequence, TypeVar
 
-from hs_capture.offline import procs
+from hs_capture.offline.workers import procs
 
 T = TypeVar("T")
 R = TypeVar("R")

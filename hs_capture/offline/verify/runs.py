@@ -10,7 +10,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from hs_capture.dump.paths import rank_meta_path
 from hs_capture.dump.schema import RankMeta
-from hs_capture.offline.reader import Run, open_runs
+from hs_capture.offline.read.reader import Run, open_runs
 from hs_capture.offline.verify.report import WARNING, Report
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
-from hs_capture.offline.coverage import Span, describe_extra
-from hs_capture.offline.planning import MixedRuns, Plan, plan
-from hs_capture.offline.reader import DumpError
+from hs_capture.offline.read.coverage import Span, describe_extra
+from hs_capture.offline.read.planning import MixedRuns, Plan, plan
+from hs_capture.offline.read.reader import DumpError
 from hs_capture.offline.verify.index import Step
 from hs_capture.offline.verify.report import WARNING, Report
 

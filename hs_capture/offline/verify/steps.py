@@ -15,9 +15,9 @@ import numpy as np
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.paths import FINAL
 from hs_capture.dump.schema import FileRef
-from hs_capture.offline.heap import keep_large_buffers
-from hs_capture.offline.procs import peak_rss_bytes
-from hs_capture.offline.reader import first_mismatch
+from hs_capture.offline.workers.heap import keep_large_buffers
+from hs_capture.offline.workers.procs import peak_rss_bytes
+from hs_capture.offline.read.reader import first_mismatch
 from hs_capture.offline.verify.index import Step
 from hs_capture.offline.verify.pool import process_map
 from hs_capture.offline.verify.report import WARNING, Finding, Report

@@ -50,8 +50,8 @@ import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hs_capture.offline.step_sampler import deal
-from hs_capture.offline.trainers.patching import Point, TrainerPatch, Unsupported
+from hs_capture.offline.train.step_sampler import deal
+from hs_capture.offline.train.trainers.patching import Point, TrainerPatch, Unsupported
 
 NAME = "speculators"
 SUPPORTED = ("0.9.",)  # releases whose ArrowDataset reads states through transfer.get_cached(row)
@@ -190,7 +190,7 @@ class SpeculatorsPatch(TrainerPatch):
         super()._uninstrument()
 
     def open(self, path: str, dataset: str) -> Any:
-        from hs_capture.offline.dump_dataset import DumpDataset
+        from hs_capture.offline.train.dump_dataset import DumpDataset
 
         key = (path, dataset)
         if key not in self.dumps:
@@ -199,7 +199,7 @@ class SpeculatorsPatch(TrainerPatch):
 
     def _arrow_init(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> None:
         from hs_capture.dump.paths import holds_dump
-        from hs_capture.offline.reader import DumpError
+        from hs_capture.offline.read.reader import DumpError
 
         wrapped(*args, **kwargs)
         files = instance.transfer

@@ -11,7 +11,7 @@ import sys
 from types import ModuleType
 from typing import Any, List, NamedTuple, Optional, Tuple
 
-from hs_capture.offline.reader import DumpError
+from hs_capture.offline.read.reader import DumpError
 from hs_capture.patching import Instrumentor, where
 
 
@@ -37,7 +37,7 @@ class TrainerPatch(Instrumentor):
 
     NAME = ""
     POINTS: Tuple[Point, ...] = ()
-    log = logging.getLogger("hs_capture.offline.trainers")
+    log = logging.getLogger("hs_capture.offline.train.trainers")
 
     def __init__(self) -> None:
         super().__init__()

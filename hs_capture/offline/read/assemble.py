@@ -14,9 +14,9 @@ import torch
 
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
-from hs_capture.offline.inputs import Inputs
-from hs_capture.offline.planning import Piece, Plan
-from hs_capture.offline.reader import DumpError, first_mismatch
+from hs_capture.offline.read.inputs import Inputs
+from hs_capture.offline.read.planning import Piece, Plan
+from hs_capture.offline.read.reader import DumpError, first_mismatch
 
 
 class TokensDiffer(DumpError):

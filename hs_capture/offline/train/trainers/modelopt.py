@@ -37,10 +37,10 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional
 import wrapt
 
 from hs_capture.dump.paths import holds_dump
-from hs_capture.offline.dump_dataset import DumpDataset
-from hs_capture.offline.step_sampler import StepWindowSampler
-from hs_capture.offline.reader import DumpError
-from hs_capture.offline.trainers.patching import Point, TrainerPatch
+from hs_capture.offline.train.dump_dataset import DumpDataset
+from hs_capture.offline.train.step_sampler import StepWindowSampler
+from hs_capture.offline.read.reader import DumpError
+from hs_capture.offline.train.trainers.patching import Point, TrainerPatch
 
 NAME = "modelopt"
 SUPPORTED = ("0.47.",)  # releases whose OfflineSupervisedDataset loads one torch.load dict per item

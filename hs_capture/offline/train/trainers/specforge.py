@@ -61,7 +61,7 @@ When a path holds a dump, `instrument()` changes these points and nothing else:
                   and keys the cached mapping by those counts instead of file stats;
   the launch      `launch_plan.build_launch_plan`, for a config whose data is a dump, starts its
                   worker processes (torchrun ranks, the disaggregated producer) through this
-                  module (`python -m hs_capture.offline.trainers.specforge [--dataset JSONL] train
+                  module (`python -m hs_capture.offline.train.trainers.specforge [--dataset JSONL] train
                   ...`), so they are patched too.
 
 Any other path goes to SpecForge untouched.
@@ -80,7 +80,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from hs_capture.offline.trainers.patching import Point, TrainerPatch, worker_main
+from hs_capture.offline.train.trainers.patching import Point, TrainerPatch, worker_main
 
 NAME = "specforge"
 SUPPORTED = ("0.2.",)  # releases whose offline data path is OfflineManifestReader + LocalFeatureStore
@@ -203,8 +203,8 @@ class SpecForgePatch(TrainerPatch):
             return None
         key = os.path.abspath(str(path))
         if key not in self.dumps:
-            from hs_capture.offline.dump_dataset import DumpDataset
-            from hs_capture.offline.reader import DumpError
+            from hs_capture.offline.train.dump_dataset import DumpDataset
+            from hs_capture.offline.read.reader import DumpError
 
             ds = DumpDataset(key, self.dataset, keys="specforge")
             if not len(ds):

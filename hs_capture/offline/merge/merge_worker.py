@@ -9,15 +9,15 @@ from typing import Dict, List, Optional
 
 import torch
 
-from hs_capture.offline.assemble import AssembledSample, Assembler, TokensDiffer, with_loss_mask
+from hs_capture.offline.read.assemble import AssembledSample, Assembler, TokensDiffer, with_loss_mask
 from hs_capture.offline.formats import FORMATS, Output
 from hs_capture.offline.formats.common import dtype_name
-from hs_capture.offline.heap import keep_large_buffers
-from hs_capture.offline.inputs import Inputs
-from hs_capture.offline.merge_result import MergeResult
-from hs_capture.offline.planning import Plan
-from hs_capture.offline import procs
-from hs_capture.offline.reader import DumpError
+from hs_capture.offline.workers.heap import keep_large_buffers
+from hs_capture.offline.read.inputs import Inputs
+from hs_capture.offline.merge.merge_result import MergeResult
+from hs_capture.offline.read.planning import Plan
+from hs_capture.offline.workers import procs
+from hs_capture.offline.read.reader import DumpError
 
 
 def _checked_sample(asm: Assembler, rid: str, ds: Optional[Inputs], res: MergeResult):

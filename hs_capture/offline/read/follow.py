@@ -41,10 +41,10 @@ import numpy as np
 
 from hs_capture.dump.paths import index_path, rank_meta_path, rank_tags, run_dirs, step_parts
 from hs_capture.dump.schema import IndexLine, RankMeta, SchemaError
-from hs_capture.offline.attribution import generated_by_sglang
-from hs_capture.offline.coverage import Judgement, Span, whole_chain
-from hs_capture.offline.planning import Piece
-from hs_capture.offline.reader import DumpError, Run
+from hs_capture.offline.read.attribution import generated_by_sglang
+from hs_capture.offline.read.coverage import Judgement, Span, whole_chain
+from hs_capture.offline.read.planning import Piece
+from hs_capture.offline.read.reader import DumpError, Run
 
 RankKey = Tuple[int, str]  # (index into Follower.runs, rank tag)
 Position = Tuple[str, str, int]  # (run id, rank tag, line of its index; the close is one past the last)

@@ -23,13 +23,13 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from hs_capture.offline.assemble import Assembler, TokensDiffer, with_loss_mask
-from hs_capture.offline.follow import Follower, Progress
+from hs_capture.offline.read.assemble import Assembler, TokensDiffer, with_loss_mask
+from hs_capture.offline.read.follow import Follower, Progress
 from hs_capture.offline.formats import FORMATS, NAMES, TrainingFormat
-from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
-from hs_capture.offline.planning import Plan, plan
-from hs_capture.offline.reader import DumpError
-from hs_capture.offline.step_sampler import RUN, StepWindowSampler, rank_world
+from hs_capture.offline.read.inputs import BadLine, Inputs, load_inputs
+from hs_capture.offline.read.planning import Plan, plan
+from hs_capture.offline.read.reader import DumpError
+from hs_capture.offline.train.step_sampler import RUN, StepWindowSampler, rank_world
 
 Dumps = Union[str, Sequence[str]]
 WINDOW_BYTES = 256 << 20  # decoded states per shuffle window (a worker caches it and the step before)

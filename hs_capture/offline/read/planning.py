@@ -19,12 +19,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from hs_capture.dump import hst
-from hs_capture.offline import procs
-from hs_capture.offline.attribution import warmups
-from hs_capture.offline.coverage import Span, whole_chain
+from hs_capture.offline.workers import procs
+from hs_capture.offline.read.attribution import warmups
+from hs_capture.offline.read.coverage import Span, whole_chain
 from hs_capture.dump.hst import ITEMSIZE
 from hs_capture.dump.paths import step_parts
-from hs_capture.offline.reader import DumpError, Run, open_runs
+from hs_capture.offline.read.reader import DumpError, Run, open_runs
 
 
 class MixedRuns(DumpError):

@@ -18,19 +18,19 @@ from dataclasses import asdict
 from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from hs_capture.offline import procs
-from hs_capture.offline.attribution import unattributed
+from hs_capture.offline.workers import procs
+from hs_capture.offline.read.attribution import unattributed
 from hs_capture.dump.files import atomic_write
 from hs_capture.offline.formats import FORMATS, NAMES, Output, TrainingFormat
-from hs_capture.offline.inputs import BadLine, Inputs, load_inputs
+from hs_capture.offline.read.inputs import BadLine, Inputs, load_inputs
 from hs_capture.dump.paths import MERGE_REPORT, TEMP_MARK
-from hs_capture.offline.merge_result import Item, MergeResult
-from hs_capture.offline.output_dir import REPORTS, SETTINGS, OutputDirError, prepare, record
-from hs_capture.offline.planning import Plan, plan
+from hs_capture.offline.merge.merge_result import Item, MergeResult
+from hs_capture.offline.merge.output_dir import REPORTS, SETTINGS, OutputDirError, prepare, record
+from hs_capture.offline.read.planning import Plan, plan
 from hs_capture.dump.layer_ids import ServedIds, family_of, served_ids
 
 REPORT = MERGE_REPORT
-WORKER = "hs_capture.offline.merge_worker"  # decodes and writes; the only part that imports torch
+WORKER = "hs_capture.offline.merge.merge_worker"  # decodes and writes; the only part that imports torch
 
 
 class MergeError(Exception):
@@ -186,7 +186,7 @@ def _tasks(p: Plan, outputs: List[Output], jobs: int) -> List[List[Output]]:
 
 
 def _worker():
-    from hs_capture.offline import merge_worker  # imports torch: here only when a task runs in this process
+    from hs_capture.offline.merge import merge_worker  # imports torch: here only when a task runs in this process
 
     return merge_worker
 
