@@ -64,7 +64,7 @@ def dump_bytes(root):
 
 @pytest.mark.parametrize("fmt", ["specforge", "hscap"])
 def test_merge_in_workers_is_byte_identical_and_reads_each_step_about_once(chained, tmp_path, fmt):
-    one, one_rc = hscap("merge", chained, "-o", str(tmp_path / "j1"), "--format", fmt)
+    one, one_rc = hscap("merge", chained, "-o", str(tmp_path / "j1"), "--format", fmt, "-j", "1")
     many, many_rc = hscap("merge", chained, "-o", str(tmp_path / "j3"), "--format", fmt, "-j", "3")
     assert one_rc == many_rc == 0 and one["written"] == many["written"] >= 5
     assert digests(str(tmp_path / "j1")) == digests(str(tmp_path / "j3"))

@@ -11,6 +11,7 @@ refused with a warning, never stacked on, and the rest is patched.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import weakref
@@ -156,6 +157,9 @@ def on_import(module: Any) -> None:
         raise RuntimeError(f"[HS_DUMP] ERROR: {problem}")
     try:
         HsCaptureInstrumentor().instrument(module)
-        log.info("hooks installed on %s (pid %d)", module.__name__, os.getpid())
+        # the request class loads in every SGLang process, the launcher's too: the model
+        # modules' lines are the ones that say capture is live
+        log.log(logging.DEBUG if module.__name__ == REQUESTS.module else logging.INFO,
+                "hooks installed on %s (pid %d)", module.__name__, os.getpid())
     except Exception as e:
         log.error("ERROR: could not install hooks on %s: %s: %s", module.__name__, type(e).__name__, e)

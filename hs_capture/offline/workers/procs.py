@@ -82,9 +82,18 @@ def start(preload: Sequence[str]) -> None:
         signal.signal(signal.SIGINT, before)
 
 
-def _worker_init(initializer: Callable, initargs: tuple) -> None:
+def _worker_init(umask: int, initializer: Callable, initargs: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # spawned workers too: the caller handles Ctrl-C
+    # the caller's, not the fork server's (started earlier, perhaps under another umask): what a
+    # worker writes is no wider than what the caller would write
+    os.umask(umask)
     initializer(*initargs)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager
@@ -93,7 +102,7 @@ def pool(workers: int, preload: Sequence[str], initializer: Callable, initargs: 
     workers at once instead of waiting for the tasks in flight, which could be most of the work."""
     start(preload)
     ex = ProcessPoolExecutor(workers, mp_context=context(preload), initializer=_worker_init,
-                             initargs=(initializer, initargs))
+                             initargs=(_umask(), initializer, initargs))
     try:
         yield ex
     except GeneratorExit:  # a generator over the pool closed once its caller had what it needed
