@@ -19,6 +19,18 @@ TAG = "dp0-tp0-pp0"
 LAYERS = [1, 2]
 
 
+
+def index_text(step, seqs, dropped=False) -> str:
+    """One index line as a writer appends it; seqs: (rid, prefix, len) in row order."""
+    entries, at = [], 0
+    for rid, prefix, n in seqs:
+        entries.append(SeqEntry(rid, n, prefix, at))
+        at += n
+    line = step_line("EXTEND", at, at, "bfloat16", entries)
+    line = line.dropped_as(step, "writer_full", 0.0) if dropped else line.committed(
+        step, {p: FileRef(f"data/{step}.{p}.hst", 1) for p in step_parts(LAYERS, False)}, 0.0)
+    return json.dumps(line.to_json()) + "\n"
+
 class Run:
     def __init__(self, dump, name):
         self.dir = os.path.join(dump, name)
@@ -33,14 +45,7 @@ class Run:
 
     def line(self, step, seqs, dropped=False, torn=False):
         """seqs: (rid, prefix, len) in row order."""
-        entries, at = [], 0
-        for rid, prefix, n in seqs:
-            entries.append(SeqEntry(rid, n, prefix, at))
-            at += n
-        line = step_line("EXTEND", at, at, "bfloat16", entries)
-        line = line.dropped_as(step, "writer_full", 0.0) if dropped else line.committed(
-            step, {p: FileRef(f"data/{step}.{p}.hst", 1) for p in step_parts(LAYERS, False)}, 0.0)
-        text = json.dumps(line.to_json()) + "\n"
+        text = index_text(step, seqs, dropped)
         with open(index_path(self.dir, TAG), "a") as f:
             f.write(text[:len(text) // 2] if torn else text)
         return text[len(text) // 2:]
@@ -202,14 +207,7 @@ class Rank:
             json.dump(meta.to_json(), f)
 
     def _text(self, step, seqs, dropped):
-        entries, at = [], 0
-        for rid, prefix, n in seqs:
-            entries.append(SeqEntry(rid, n, prefix, at))
-            at += n
-        line = step_line("EXTEND", at, at, "bfloat16", entries)
-        line = line.dropped_as(step, "writer_full", 0.0) if dropped else line.committed(
-            step, {p: FileRef(f"data/{step}.{p}.hst", 1) for p in step_parts(LAYERS, False)}, 0.0)
-        return json.dumps(line.to_json()) + "\n"
+        return index_text(step, seqs, dropped)
 
     def write(self, n, torn):
         """The next n lines; torn: the one after them half appended."""
