@@ -343,8 +343,10 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "writer_threads": cfg.writer_threads,
             "writer": cfg.writer,
             "on_full": cfg.on_full,
+            # namespaced exactly when the picker does it: the request class hooked, the cache on
             "capture_policy": cfg.policy.as_meta(flags.get("disable_radix_cache") is False,
-                                                 cfg.policy.own_namespace and flags.get("disable_radix_cache") is False),
+                                                 cfg.policy.own_namespace and flags.get("disable_radix_cache") is False
+                                                 and requests_mod.is_hooked()),
         },
     )
 
