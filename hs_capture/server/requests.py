@@ -36,15 +36,11 @@ class RequestPicker:
         self._plain: Dict[str, bool] = {}
         self._count = itertools.count(1)
         self._lock = threading.Lock()
-        self.seen = 0
-        self.picked = 0
 
     def on_new_request(self, req: Any) -> None:
         rid = getattr(req, "rid", None)
-        self.seen += 1
         if not self.policy.picks(rid, getattr(req, "extra_key", None)):
             return
-        self.picked += 1
         key = getattr(req, "extra_key", None)
         if self.namespaces:
             with self._lock:
