@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
 from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -67,7 +68,18 @@ SERVERS: Dict[str, tuple] = {
     "chat-0": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat"),  # hooked, nothing captured
     "chat-100": ("2,3,5", True, {}, "shm", "chat"),
     "chat-serve": ("2,3,5", True, {"RADIX": "off"}, "shm", "chat"),
+    # one hooked server capturing only marked requests, its sends alternating unmarked (off) and
+    # marked (on): no drift between servers lands on the ratio (see run_rounds)
+    "alt-pre3": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
+    "alt-three": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
+    "alt-pre3-t6": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "6"}, "shm", "alt"),
+    "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
+    "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
 }
+# the rounds of an `alt` server: off = unmarked, on = marked; `on-idle`/`on-cores` move the
+# writer (tune_writer) for that round only
+ALT_ROUNDS = "off,on,off,on-idle,off,on-cores,off,on,off"
+CHAT_ALT_ROUNDS = "off,on5,off,on5,off,on100,off"
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_SYSTEM, CHAT_CONCURRENCY = 600, 4, 1024, 64
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
 
@@ -98,10 +110,67 @@ def stage(root: str, texts: int) -> None:
         os.replace(chat + ".tmp", chat)
 
 
-def send_chat(url: str, data: str, warm: bool) -> dict:
+def marked(rid: str, fraction: float) -> bool:
+    """The client's own pick of a fraction of requests (a stable hash of the rid)."""
+    return fraction >= 1 or zlib.crc32(rid.encode()) % 10000 < fraction * 10000
+
+
+def post(url: str, ids: List[int], rid: str, mark: bool) -> dict:
+    body = {"input_ids": ids, "rid": rid, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    if mark:
+        body["extra_key"] = "hscap"
+    req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read()).get("meta_info", {})
+
+
+def send_texts(url: str, path: str, tag: str, fraction: float, concurrency: int = 64) -> dict:
+    """`hscap send`'s load (one new token per text, `concurrency` in flight) from a plain client,
+    marking `fraction` of the texts for capture; rids are unique per round."""
+    rows = read_jsonl(path)
+    work: "queue.Queue[dict]" = queue.Queue()
+    for row in rows:
+        work.put(row)
+    totals = {"requests": 0, "tokens": 0, "failed": 0, "marked": 0}
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            try:
+                row = work.get_nowait()
+            except queue.Empty:
+                return
+            rid = f"{tag}-{row['id']}"
+            mark = marked(rid, fraction)
+            try:
+                post(url, row["input_ids"], rid, mark)
+                with lock:
+                    totals["requests"] += 1
+                    totals["tokens"] += len(row["input_ids"])
+                    totals["marked"] += int(mark)
+            except Exception:
+                with lock:
+                    totals["failed"] += 1
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - t0
+    return {"tokens_per_s": round(totals["tokens"] / wall, 1), "wall_s": round(wall, 2), **totals}
+
+
+def flush_cache(url: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b""), timeout=60).read()
+
+
+def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str = "") -> dict:
     """The chat traffic (the first CHAT_CONCURRENCY conversations are the warm-up): each turn's
     prompt is the system prompt and every message before it, sent once the turn before is
-    answered; nothing marks a request for capture."""
+    answered; the client marks `fraction` of the requests for capture (by default none)."""
     with open(os.path.join(data, "chat.json")) as f:
         doc = json.load(f)
     convs = doc["conversations"][:CHAT_CONCURRENCY] if warm else doc["conversations"][CHAT_CONCURRENCY:]
@@ -121,12 +190,9 @@ def send_chat(url: str, data: str, warm: bool) -> dict:
             prompt = list(doc["systems"][c["system"]])
             for t in range(CHAT_TURNS):
                 prompt += c["messages"][2 * t]
-                body = json.dumps({"input_ids": prompt, "rid": f"chat-{'w' if warm else ''}{i}-{t}",
-                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).encode()
-                req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+                rid = f"chat{tag}-{'w' if warm else ''}{i}-{t}"
                 try:
-                    with urllib.request.urlopen(req, timeout=600) as r:
-                        meta = json.loads(r.read()).get("meta_info", {})
+                    meta = post(url, prompt, rid, marked(rid, fraction))
                     with lock:
                         totals["requests"] += 1
                         totals["prompt_tokens"] += len(prompt)
@@ -168,9 +234,9 @@ class CoreMeter:
 
 
 def tune_writer(pgid: int, how: Optional[str]) -> Optional[dict]:
-    """Move every thread of the server's writer process: `idle` (SCHED_IDLE) or `cores` (the last
-    half of the host's cores, the first half left to SGLang's processes). What a setting of the
-    writer would do, tried from outside before it is one."""
+    """Move every thread of the server's writer process: `idle` (SCHED_IDLE), `cores` (the last
+    half of the host's cores, the first half left to SGLang's processes) or `reset` (back to the
+    defaults). What a setting of the writer would do, tried from outside before it is one."""
     if not how:
         return None
     cpus = sorted(os.sched_getaffinity(0))
@@ -183,8 +249,11 @@ def tune_writer(pgid: int, how: Optional[str]) -> Optional[dict]:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 if how == "idle":
                     os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-                else:
+                elif how == "cores":
                     os.sched_setaffinity(int(tid), cpus[len(cpus) // 2:])
+                else:  # back to the defaults
+                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+                    os.sched_setaffinity(int(tid), cpus)
                 moved.append(int(tid))
         except (OSError, ValueError):
             continue
@@ -249,7 +318,15 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     try:
         res["startup_s"] = round(srv.wait_healthy(), 1)
         res["writer_tuned"] = tune_writer(srv.proc.pid, extra_env.get("WRITER"))
-        if chat:
+        if load in ("alt", "chat-alt"):
+            res["rounds"] = run_rounds(srv, load, data)
+            res["tokens_per_s"] = None
+            res["alt"] = summarize_rounds(res["rounds"])
+            on = [r["tokens_per_s"] for r in res["rounds"] if r["round"] == "on"]
+            res["states_gbps"] = None if load == "chat-alt" or not on else round(
+                sum(on) / len(on) * res["bytes_per_token"] / 1e9, 3)
+            load = ()
+        elif chat:
             send_chat(srv.url, data, warm=True)
             with CoreMeter() as cores:
                 res["chat"] = send_chat(srv.url, data, warm=False)
@@ -262,9 +339,10 @@ def run_server(name: str, a, work: str, data: str) -> dict:
                 s = hscap_json("send", os.path.join(data, f"{part}.jsonl"), "--url", srv.url, "-c", "64")
             res[part] = {"tokens_per_s": s.get("tokens_per_s"), "tokens": s.get("tokens"), "wall_s": s.get("wall_s"),
                          "failed": s.get("failed"), "busy_cores": cores.busy_cores}
-        res["tokens_per_s"] = res["chat"]["tokens_per_s"] if chat else res[load[-1]]["tokens_per_s"]
-        # chat: most prompt tokens come from the cache and only some requests are captured
-        res["states_gbps"] = None if chat else round((res["tokens_per_s"] or 0) * res["bytes_per_token"] / 1e9, 3)
+        if "rounds" not in res:
+            res["tokens_per_s"] = res["chat"]["tokens_per_s"] if chat else res[load[-1]]["tokens_per_s"]
+            # chat: most prompt tokens come from the cache and only some requests are captured
+            res["states_gbps"] = None if chat else round((res["tokens_per_s"] or 0) * res["bytes_per_token"] / 1e9, 3)
         res["cpu_s"] = process_cpu(srv.proc.pid)
     finally:
         res["stop_s"] = round(srv.stop(), 1)
@@ -284,6 +362,46 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     shutil.rmtree(dump, ignore_errors=True)
     print(json.dumps({k: v for k, v in res.items() if k not in ("hs_dump_lines", "cpu_s")}), flush=True)
     return res
+
+
+def run_rounds(srv, load: str, data: str) -> List[dict]:
+    """The alternating sends of one hooked server that captures only marked requests: the same
+    texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`)."""
+    rounds = []
+    if load == "alt":
+        send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm", 0.0)
+        send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm-on", 1.0)
+        for i, r in enumerate(ALT_ROUNDS.split(",")):
+            how = r.split("-", 1)[1] if "-" in r else None
+            tuned = tune_writer(srv.proc.pid, how) if how else None
+            with CoreMeter() as cores:
+                s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
+            if how:
+                tune_writer(srv.proc.pid, "reset")
+            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned})
+            print(json.dumps(rounds[-1]), flush=True)
+    else:
+        send_chat(srv.url, data, warm=True, fraction=1.0, tag="w")
+        for i, r in enumerate(CHAT_ALT_ROUNDS.split(",")):
+            flush_cache(srv.url)  # every round starts from an empty prefix cache
+            fraction = 0.0 if r == "off" else int(r[2:]) / 100
+            with CoreMeter() as cores:
+                s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}")
+            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores})
+            print(json.dumps(rounds[-1]), flush=True)
+    return rounds
+
+
+def summarize_rounds(rounds: List[dict]) -> dict:
+    """Each `on` round against the mean of the `off` rounds just before and after it."""
+    out: Dict[str, list] = {}
+    for i, r in enumerate(rounds):
+        if r["round"] == "off" or not r.get("tokens_per_s"):
+            continue
+        offs = [o["tokens_per_s"] for o in rounds[max(0, i - 1):i + 2] if o["round"] == "off" and o.get("tokens_per_s")]
+        if offs:
+            out.setdefault(r["round"], []).append(round(r["tokens_per_s"] / (sum(offs) / len(offs)), 4))
+    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] == "off"]}
 
 
 def verify(dump: str, a, work: str, data: str) -> dict:
