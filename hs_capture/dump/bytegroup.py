@@ -38,7 +38,7 @@ _ENTRY = struct.Struct("<BQ")
 _BLOCK = 1 << 20  # raw bytes per row block
 _SAMPLE = 1 << 16  # bytes of a plane tried before deciding to compress it
 _WORTH = 1.1  # compress a plane when its sample shrinks at least this much
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}  # 1: fp8 (one plane: the bytes)
 _CENTRE_STRIDE = 16  # every 16th column estimates a row's median exponent
 
 
@@ -69,7 +69,7 @@ def encode(raw, compressor: Callable, itemsize: int, row_bytes: int, transform: 
     a compressor of its own (frames open on one compressor share its context and corrupt
     each other), and samples are taken on another."""
     if itemsize not in _UINT:
-        raise BytegroupError(f"bytegroup takes 2- or 4-byte floats, not {itemsize}-byte elements")
+        raise BytegroupError(f"bytegroup takes 1-, 2- or 4-byte floats, not {itemsize}-byte elements")
     u8 = _rows_view(raw, row_bytes)
     rows, width = u8.shape
     if width % itemsize or (width == 0 and rows):

@@ -12,7 +12,7 @@ import zlib
 from typing import List, Tuple
 
 CODECS = ("raw", "zstd", "bytegroup")
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")
 # A zstd block decodes to at most 128 KiB and takes at least 4 bytes (an RLE block): no
 # frame expands more than this, so a larger declared size is a lie, refused before allocating.
 _ZSTD_MAX_RATIO = (128 << 10) // 4

@@ -7,9 +7,11 @@ Layout (modelled on safetensors, FORMAT.md has the full rules):
     N bytes   UTF-8 JSON header, space-padded so the payload starts 8-byte aligned
     ...       payload: each tensor's bytes, coded by the codec its entry names
 
-Header: {"__format__": {"version": 1}, "__metadata__": {str: str},
-         name: {"dtype", "shape", "codec", "offsets": [begin, end), "nbytes", "crc32"}}
-``crc32`` is of the raw (decoded) bytes, so a file is checked whatever its codec.
+Header: {"__format__": {"version": 1 or 2}, "__metadata__": {str: str},
+         name: {"dtype", "shape", "codec", "offsets": [begin, end), "nbytes", "crc32"[, "quant"]}}
+``crc32`` is of the raw (decoded) bytes, so a file is checked whatever its codec. Version 2
+adds "quant" ({"scheme": "fp8_e4m3", "scale": <name>}: a state stored in the compact tier,
+quant.py); a file without it is written as version 1, which every reader reads.
 Values are not checked (NaN/Inf allowed); that is verify's job.
 """
 
@@ -21,19 +23,21 @@ import struct
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import BinaryIO, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import BinaryIO, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from hs_capture.dump import codec as _codec
+from hs_capture.dump import quant as _quant
 from hs_capture.dump.codec import CODECS, CodecError, FormatError, SizeMismatch  # noqa: F401 (re-exported)
 
 MAGIC = b"HSCAPT\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads and writes; 1 is written where it suffices
+READ_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: shapes beyond it are corrupt, whatever they claim
 _PREFIX = len(MAGIC) + 8
 
 # name -> bytes per element. bfloat16 has no numpy dtype: readers view it through torch.
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "float8_e4m3fn": 1}
 
 
 def is_count(x: object) -> bool:
@@ -99,6 +103,7 @@ class TensorEntry:
     end: int
     nbytes: int
     crc32: int
+    scale: Optional[str] = None  # quantized (quant.SCHEME): the name of its scale tensor
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class RawTensor:
     dtype: str
     shape: Sequence[int]
     data: memoryview
+    scale: Optional[str] = None  # quantized (quant.SCHEME): the name of its scale tensor
 
 
 def encode_file(
@@ -157,10 +163,14 @@ def encode_file(
             "nbytes": nbytes,
             "crc32": crc,
         }
+        if t.scale is not None:
+            entries[t.name]["quant"] = {"scheme": _quant.SCHEME, "scale": t.scale}
         payloads += chunks
         offset += size
+    _check_quant({n: _entry(n, e) for n, e in entries.items()})
+    quantized = any("quant" in e for e in entries.values())
     header = {
-        "__format__": {"version": FORMAT_VERSION},
+        "__format__": {"version": 2 if quantized else 1},  # an older reader reads what it can
         "__metadata__": {str(k): str(v) for k, v in metadata.items()},
         **entries,
     }
@@ -212,10 +222,28 @@ def opened(path: str) -> Iterator[Tuple[BinaryIO, "Header"]]:
 
 
 def read_arrays(path: str) -> Dict[str, "object"]:
-    """Every tensor of a file as a numpy array, checked against its crc32."""
+    """Every tensor of a file as a numpy array, checked against its crc32; a quantized state
+    comes back dequantized (float32, as bfloat16 does), its scale tensor folded in."""
     with opened(path) as (f, header):
-        return {name: to_numpy(read_tensor_bytes(f, header, name), e.dtype, e.shape)
-                for name, e in header.tensors.items()}
+        if not any(e.scale for e in header.tensors.values()):
+            return {name: to_numpy(read_tensor_bytes(f, header, name), e.dtype, e.shape)
+                    for name, e in header.tensors.items()}
+        return {name: t.float().numpy() if t.is_floating_point() else t.numpy()
+                for name, t in read_tensors(f, header).items()}
+
+
+def read_tensors(f: BinaryIO, header: "Header") -> Dict[str, "object"]:
+    """Every tensor of an open file as a torch tensor of its recorded dtype, checked against
+    its crc32; a quantized state dequantized to bfloat16 (quant.py), its scale tensor folded in."""
+    out = {name: to_torch(read_tensor_bytes(f, header, name), e.dtype, e.shape)
+           for name, e in header.tensors.items()}
+    for name, e in header.tensors.items():
+        if e.scale:
+            out[name] = _quant.dequantize(out[name], out[e.scale])
+    for e in header.tensors.values():
+        if e.scale:
+            out.pop(e.scale, None)
+    return out
 
 
 def read_header(f: BinaryIO, file_size: int) -> Header:
@@ -242,14 +270,19 @@ def read_header(f: BinaryIO, file_size: int) -> Header:
     if not isinstance(header, dict):
         raise InvalidHeader("header is not a JSON object")
     fmt = header.pop("__format__", None)
-    if not isinstance(fmt, dict) or fmt.get("version") != FORMAT_VERSION:
-        raise UnsupportedVersion(f"format version {fmt!r} is not {FORMAT_VERSION}")
+    version = fmt.get("version") if isinstance(fmt, dict) else None
+    if version not in READ_VERSIONS or isinstance(version, bool):
+        raise UnsupportedVersion(f"format version {fmt!r} is not one this hs_capture reads "
+                                 f"({', '.join(map(str, READ_VERSIONS))}): upgrade hs_capture to read it")
     meta = header.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise InvalidHeader("__metadata__ must map strings to strings")
     tensors: Dict[str, TensorEntry] = {}
     for name, info in header.items():
         tensors[name] = _entry(name, info)
+        if tensors[name].scale and version < 2:
+            raise TensorInvalidInfo(f"{name}: a quantized tensor in a version {version} file")
+    _check_quant(tensors)
     expected = 0
     for e in sorted(tensors.values(), key=lambda e: e.begin):
         if e.begin != expected or e.end < e.begin:
@@ -294,7 +327,27 @@ def _entry(name: str, info) -> TensorEntry:
         raise TensorInvalidInfo(f"{name}: {nbytes} bytes is beyond any tensor ({MAX_TENSOR_BYTES} max)")
     if _checked_nbytes(name, dtype, shape) != nbytes:
         raise TensorInvalidInfo(f"{name}: nbytes {nbytes} disagrees with shape {shape} of {dtype}")
-    return TensorEntry(name, dtype, tuple(shape), codec, begin, end, nbytes, crc)
+    scale = None
+    if "quant" in info:
+        q = info["quant"]
+        if not isinstance(q, dict) or q.get("scheme") != _quant.SCHEME or not isinstance(q.get("scale"), str):
+            raise TensorInvalidInfo(f"{name}: quant {q!r} is not {{'scheme': {_quant.SCHEME!r}, 'scale': <tensor>}}")
+        scale = q["scale"]
+    return TensorEntry(name, dtype, tuple(shape), codec, begin, end, nbytes, crc, scale)
+
+
+def _check_quant(tensors: Mapping[str, TensorEntry]) -> None:
+    """A quantized state [T, H] is float8_e4m3fn and names a float32 scale [T] of the same file."""
+    for name, e in tensors.items():
+        if e.scale is None:
+            continue
+        s = tensors.get(e.scale)
+        if e.dtype != _quant.STORED_DTYPE or len(e.shape) != 2:
+            raise TensorInvalidInfo(f"{name}: quantized as {_quant.SCHEME}, so [T, H] {_quant.STORED_DTYPE}, "
+                                    f"not {list(e.shape)} {e.dtype}")
+        if s is None or s.scale is not None or s.dtype != _quant.SCALE_DTYPE or s.shape != e.shape[:1]:
+            raise TensorInvalidInfo(f"{name}: its scale {e.scale!r} is not a {_quant.SCALE_DTYPE} "
+                                    f"[{e.shape[0]}] tensor of this file")
 
 
 def read_tensor_bytes(f: BinaryIO, header: Header, name: str) -> bytes:
@@ -318,6 +371,8 @@ def to_numpy(raw: bytes, dtype: str, shape: Sequence[int]):
     if dtype == "bfloat16":
         u16 = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
         return u16.view(np.float32).reshape(shape)
+    if dtype == _quant.STORED_DTYPE:  # numpy has no fp8 either: its values, unscaled, as float32
+        return to_torch(raw, dtype, shape).float().numpy()
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
 
 

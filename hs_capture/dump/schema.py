@@ -16,7 +16,10 @@ from hs_capture.dump.paths import inside
 
 # "schema" in the run metadata; its index lines follow the same version. Dumps written before
 # the field existed are version 1.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest this code reads
+# what a run is written as: 2 only for the compact tier (fp8 states, which an older reader
+# could not read), so a lossless dump stays readable by every release
+SCHEMA_LOSSLESS, SCHEMA_COMPACT = 1, 2
 LAYER_CONVENTION = "entering: index i = residual stream entering decoder layer i = transformers hidden_states[i]"
 
 
@@ -157,7 +160,7 @@ class RankMeta:
     capture_stopped: Optional[Dict[str, Any]] = None  # reason, step, time: capture stopped for good
     disk_bound: Optional[Dict[str, Any]] = None  # the rates when the disk held the forwards back
     last_failure: Optional[str] = None
-    schema: int = SCHEMA_VERSION
+    schema: int = SCHEMA_LOSSLESS
     extra: Dict[str, Any] = field(default_factory=dict)  # everything else (server flags, modes, host, ...)
 
     @property

@@ -30,10 +30,11 @@ from hs_capture.server.modes import ServerModes, read_modes
 from hs_capture.dump.layer_ids import served_ids
 from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_here, relevant_flags, server_args, sglang_version
 from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
-from hs_capture.dump.schema import RankMeta
+from hs_capture.dump import quant
+from hs_capture.dump.schema import SCHEMA_COMPACT, SCHEMA_LOSSLESS, RankMeta
 from hs_capture.server.forward_cost import ForwardCost
 from hs_capture.server import requests as requests_mod
-from hs_capture.server.step import take_step
+from hs_capture.server.step import compact, take_step
 from hs_capture.server.writer import ShardWriter
 
 log = get_logger()
@@ -177,6 +178,10 @@ class ModelCapture:
         line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre,
                                               keep)
         self.writer.cost.add("step_line", time.perf_counter() - t0)
+        if self.writer.cfg.store == "fp8":
+            t0 = time.perf_counter()
+            line, tensors, aux_layers = compact(line, tensors, aux_layers, self.hidden_size)
+            self.writer.cost.add("quantize", time.perf_counter() - t0)
         self.writer.submit(line, tensors, aux_layers)
         self.steps += 1
         if self.steps == 1:
@@ -241,7 +246,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
         rows = full_step_rows(flags)
         writer = ShardWriter(cfg, par.rank, meta, expected_rows=rows,
                              step_sizes=_step_bytes(rows, int(hf_config.hidden_size), len(layers), hf_config,
-                                                    cfg.prenorm))
+                                                    cfg.prenorm, cfg.store))
         writer.start()
         _writers.add(writer)
         writer.prewarm()
@@ -301,11 +306,15 @@ def full_step_rows(flags: Dict[str, Any]) -> int:
     return 0
 
 
-def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any, prenorm: bool = False) -> List[int]:
-    """Host bytes of one full step: packed aux, final, the pre-norm state when captured,
-    input_ids, positions. Every tensor the step holds: the pinned buffers are cut to this."""
+def _step_bytes(rows: int, hidden: int, k: int, hf_config: Any, prenorm: bool = False,
+                store: str = "lossless") -> List[int]:
+    """Host bytes of one full step: packed aux (or, in the compact tier, each layer's state and
+    scale), final, the pre-norm state when captured, input_ids, positions. Every tensor the
+    step holds: the pinned buffers are cut to this."""
     if rows <= 0:
         return []
+    if store == "fp8":
+        return [rows * hidden, rows * 4] * (k + 1 + int(prenorm)) + [rows * 8, rows * 8]
     dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     itemsize = 4 if str(dtype).endswith("float32") else 2
     states = [rows * hidden * k * itemsize, rows * hidden * itemsize] + ([rows * hidden * itemsize] if prenorm else [])
@@ -329,6 +338,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
         sglang_version=sglang_version(),
         hs_capture_version=__version__,
         parallel=par.as_dict(),
+        schema=SCHEMA_COMPACT if cfg.store == "fp8" else SCHEMA_LOSSLESS,
         extra={
             "torch_version": torch.__version__,
             "host": socket.gethostname(),
@@ -340,6 +350,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "server_modes": asdict(modes),
             "codec": cfg.codec,
             "level": cfg.level,
+            "store": cfg.store if cfg.store == "lossless" else quant.SCHEME,
             "writer_threads": cfg.writer_threads,
             "writer": cfg.writer,
             "on_full": cfg.on_full,

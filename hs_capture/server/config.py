@@ -47,6 +47,7 @@ class CaptureConfig:
     min_free_bytes: int = 1 << 30  # capture stops (serving goes on) below this much free space
     flush_timeout_s: float = 120.0  # how long SIGTERM waits for queued steps
     policy: CapturePolicy = CapturePolicy()  # which requests are captured (dump/capture_policy.py)
+    store: str = "lossless"  # or "fp8": the compact tier (dump/quant.py), quantized on the device
 
     @property
     def run_dir(self) -> str:
@@ -209,7 +210,20 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         min_free_bytes=_min_free(env),
         flush_timeout_s=_number(env, "HSCAP_FLUSH_TIMEOUT_S", 120.0, 0.0, 86400.0, float),
         policy=capture_policy(env),
+        store=store(env),
     )
+
+
+STORES = ("lossless", "fp8")
+
+
+def store(env: Mapping[str, str] = os.environ) -> str:
+    """HSCAP_STORE: lossless (the default: every state as the server computed it) or fp8 (the
+    compact tier: FP8 e4m3 with one scale per token, quantized on the device)."""
+    value = env.get("HSCAP_STORE", "lossless").strip().lower() or "lossless"
+    if value not in STORES:
+        raise ConfigError(f"HSCAP_STORE={value!r}: choose lossless (the default) or fp8")
+    return value
 
 
 def _min_free(env: Mapping[str, str]) -> int:

@@ -1,5 +1,6 @@
 """What the hook costs the server's forwards, by cause, so that a cost is never silent: the
-time it holds a forward building the step's index line, staging the device-to-host copies,
+time it holds a forward building the step's index line, quantizing the states (the compact
+tier: enqueuing it on the device), staging the device-to-host copies,
 waiting for the in-flight budget or a free host buffer, and handing the step to the writer."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Dict
 
-CAUSES = ("step_line", "staging", "budget_wait", "buffer_wait", "handoff")
-LABELS = {"step_line": "step line", "staging": "staging copies", "budget_wait": "in-flight budget",
+CAUSES = ("step_line", "quantize", "staging", "budget_wait", "buffer_wait", "handoff")
+LABELS = {"step_line": "step line", "quantize": "quantizing", "staging": "staging copies", "budget_wait": "in-flight budget",
           "buffer_wait": "waiting for a host buffer", "handoff": "hand-off"}
 
 

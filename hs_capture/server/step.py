@@ -1,10 +1,12 @@
 """What one captured forward hands the writer: the step's index metadata (which requests,
 their lengths, prefix lengths and rows) and its tensors, trimmed of padding rows, with
 SGLang's aux captures (a packed [T, K*H] tensor from 0.5.23, a list of [T, H] up to 0.5.15)
-named by the layers they hold. Pure logic on what the forward returned: no state, no I/O."""
+named by the layers they hold; `compact` turns them into the compact tier (dump/quant.py) on
+the device. Pure logic on what the forward returned: no state, no I/O."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -12,6 +14,8 @@ import torch
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
 from hs_capture.dump.schema import IndexLine, SeqEntry, step_line
 from hs_capture.dump.hst import dtype_name
+from hs_capture.dump import quant
+from hs_capture.server.step_files import SCALE
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
@@ -94,3 +98,22 @@ def _take_aux(tensors: Dict[str, torch.Tensor], aux: Any, current: List[int], la
     for layer in layers:
         tensors[part_name(layer)] = aux[current.index(layer)][:n]
     return []
+
+
+def compact(line: IndexLine, tensors: Dict[str, torch.Tensor], aux_layers: List[int], hidden_size: int
+            ) -> Tuple[IndexLine, Dict[str, torch.Tensor], List[int]]:
+    """The step's states in the compact tier, quantized where they are (on the device, on the
+    forward's stream, before any copy: the copy, the pinned memory and the writer's work all
+    shrink). Each state `name` becomes FP8 `name` and its scale `name#scale`; SGLang's packed
+    aux is cut into its layers' parts on the way (the quantized tensors are new memory)."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name in ("tokens", "positions"):
+            out[name] = t
+        elif name == "aux":
+            for j, layer in enumerate(aux_layers):
+                part = part_name(layer)
+                out[part], out[part + SCALE] = quant.quantize(t[:, j * hidden_size:(j + 1) * hidden_size])
+        else:
+            out[name], out[name + SCALE] = quant.quantize(t)
+    return replace(line, dtype=quant.STORED_DTYPE), out, []

@@ -23,6 +23,8 @@ from hs_capture.dump.schema import FileRef
 # The batch's own inputs, stored beside the final state. SGLang refills their buffers for the
 # next batch while this step is still being copied: staging owns them first (staging.py).
 INPUT_PARTS = ("tokens", "positions")
+SCALE = "#scale"  # a quantized state's scale (step.compact): stored in its part's file
+SCALE_TENSOR = "hidden_scale"
 
 
 class Placed(NamedTuple):
@@ -54,8 +56,15 @@ def split_parts(memory: np.ndarray, layout: Sequence[Placed], aux_layers: List[i
             for j, layer in enumerate(aux_layers):  # a column block: rows contiguous, not adjacent
                 block = blocks[:, j * wb:(j + 1) * wb] if rows else memoryview(b"")
                 parts[part_name(layer)] = fmt.RawTensor("hidden", p.dtype, [rows, width], block)
+        elif p.name.endswith(SCALE):
+            parts[p.name] = fmt.RawTensor(SCALE_TENSOR, p.dtype, list(p.shape), memoryview(data))
         else:
             parts[p.name] = fmt.RawTensor("hidden", p.dtype, list(p.shape), memoryview(data))
+    for name in [n for n in parts if n.endswith(SCALE)]:
+        part = name[:-len(SCALE)]
+        if part not in parts:
+            raise ValueError(f"a scale for {part!r}, which the step does not hold")
+        parts[part] = replace(parts[part], scale=SCALE_TENSOR)
     return parts
 
 
@@ -69,10 +78,10 @@ def write_step_files(run_dir: str, rank: RankId, step: int, header: Dict[str, st
     dirs = set()
     parts = split_parts(memory, layout, aux_layers)
     for part, t in parts.items():
-        if part in INPUT_PARTS:
-            continue  # stored beside the final state, below
+        if part in INPUT_PARTS or part.endswith(SCALE):
+            continue  # stored beside the final state, or beside its state, below
         rel = step_file(rank, step, part)
-        raws = [t]
+        raws = [t] + ([parts[part + SCALE]] if part + SCALE in parts else [])
         if part == FINAL:
             raws += [replace(parts["tokens"], name="input_ids"), replace(parts["positions"], name="positions")]
         path = os.path.join(run_dir, rel)

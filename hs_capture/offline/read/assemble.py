@@ -1,6 +1,6 @@
 """Stitch requests back together from one or more dumps (offline; never imports sglang):
 `Assembler` decodes step files through a byte-bounded LRU cache and returns each planned
-sample's tensors (planning.py) in the stored dtype.
+sample's tensors (planning.py) in the stored dtype (the compact tier's dequantized to bfloat16).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ class Assembler:
             path = os.path.join(run.path, rel)
             try:
                 with fmt.opened(path) as (f, header):
-                    parts[part] = {n: fmt.to_torch(fmt.read_tensor_bytes(f, header, n), e.dtype, e.shape)
-                                   for n, e in header.tensors.items()}
+                    parts[part] = fmt.read_tensors(f, header)  # the compact tier comes back bfloat16
                     self.bytes_read += os.fstat(f.fileno()).st_size
             except (OSError, fmt.FormatError) as e:
                 raise DumpError(f"{rel}: {e}") from None

@@ -1,0 +1,67 @@
+"""The compact storage tier (part of the dump contract): a state stored as FP8 e4m3 with one
+power-of-two scale per token, `x ~= q * scale[:, None]`.
+
+Why a power of two: dividing by it is exact in bfloat16, so the device quantizes without a
+float32 copy of the state; `q * scale` is exactly a bfloat16, so dequantizing gives the same
+values on every reader; and a relative error of e4m3 (3 mantissa bits) does not depend on the
+scale's mantissa anyway. The scale puts the token's largest |value| in (224, 448], e4m3's top
+binade: the rounding error is at most 2^-4 of a value for every |value| >= 2^-6 x scale (below
+that, e4m3's subnormals are steps of 2^-9 x scale).
+
+Torch is imported by the functions that need it, so the file format stays importable without.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+SCHEME = "fp8_e4m3"  # what a .hst entry's "quant" names; the run metadata's "store"
+STORED_DTYPE = "float8_e4m3fn"
+SCALE_DTYPE = "float32"
+DEQUANT_DTYPE = "bfloat16"  # what readers hand out
+FP8_MAX = 448.0
+_ROWS = 8192  # rows quantized at a time: bounds the temporary bfloat16 copy on the device
+
+
+def quantize(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:  # noqa: F821
+    """x [T, H] (any float dtype, on any device) -> (q [T, H] float8_e4m3fn, scale [T] float32).
+    Runs on x's device and stream. A row that is all zeros gets scale 1; a row holding NaN or
+    Inf comes back NaN (verify's non-finite check still sees it)."""
+    import torch
+
+    if x.dim() != 2:
+        raise ValueError(f"quantize takes [T, H] states, not {tuple(x.shape)}")
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    for a in range(0, x.shape[0], _ROWS):
+        rows = x[a:a + _ROWS]
+        amax = rows.abs().amax(dim=-1).float()
+        # 2^ceil(log2(amax / 448)): the largest value lands in (224, 448]
+        s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+        s = torch.where(amax > 0, s, torch.ones_like(s))  # NaN > 0 is False: NaN rows stay NaN below
+        s = torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+        scale[a:a + _ROWS] = s
+        q[a:a + _ROWS] = (rows * (1.0 / s).to(rows.dtype)[:, None]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+    """q [T, H] float8_e4m3fn, scale [T] float32 -> [T, H] bfloat16 (exact: see the module)."""
+    import torch
+
+    return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
+
+
+def rel_error(x: "np.ndarray") -> "np.ndarray":  # noqa: F821
+    """Per token (row of x [T, H], float32 numpy), the relative L2 error of storing x in this
+    scheme and reading it back: what verify allows on top of the server's own rounding."""
+    import numpy as np
+    import torch
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if not x.size:
+        return np.zeros(x.shape[:1], np.float32)
+    t = torch.from_numpy(x)
+    back = dequantize(*quantize(t)).float().numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (np.linalg.norm(back - x, axis=-1) / np.linalg.norm(x, axis=-1)).astype(np.float32)
