@@ -122,11 +122,14 @@ def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
               "default all). Requests marked extra_key=hscap (hscap send marks its own) are always captured.")
 @click.option("--keep-radix-cache", is_flag=True, help="Keep SGLang's radix (prefix) cache: each captured "
               "request gets a cache namespace of its own and is prefilled whole; the rest keep their prefix reuse.")
+@click.option("--store", type=click.Choice(config.STORES), help="How states are stored (HSCAP_STORE): lossless "
+              "(the default) or fp8, the compact tier (FP8 e4m3, one scale per token, quantized on the GPU); "
+              "readers hand both out as bfloat16.")
 @click.option("--python", default=sys.executable, show_default=True, help="The server's Python.")
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], keep_radix_cache: bool,
-          python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
+          store: Optional[str], python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
     Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
@@ -141,6 +144,8 @@ def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], 
         settings["HSCAP_PRENORM"] = "1"
     if fraction is not None:
         settings["HSCAP_CAPTURE_FRACTION"] = repr(fraction)
+    if store:
+        settings["HSCAP_STORE"] = store
     # before the release probe and SGLang: a refused start costs nothing and creates nothing
     try:
         check_before_start({**os.environ, **settings}, sglang_args)

@@ -264,9 +264,10 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     where = (f"writing {cfg.run_dir} as {par.rank.tag} ({writer.cfg.writer_threads} threads in "
              f"{'a writer process' if writer.cfg.writer == 'process' else 'this process'}, "
              f"{writer.cfg.max_inflight_bytes / 2 ** 30:.1f} GiB in flight)") if writer else f"rank {par.rank.tag} does not write (attention-TP rank {par.attn_tp_rank})"
-    log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; %s",
+    log.info("%s: layers_to_capture=%s (%s); final state post-norm%s; stored %s; %s",
              type(causal_lm).__name__, layers, "entering-layer convention",
-             " and pre-norm" if cfg.prenorm else "", where)
+             " and pre-norm" if cfg.prenorm else "",
+             "lossless" if cfg.store == "lossless" else "fp8 (the compact tier: FP8 e4m3, one scale per token)", where)
     log.info("CausalLM: capture_aux_hidden_states=True")
     log.info("server modes: %s", modes.describe())
     unservable = served_ids(layers, "sglang", target.family if target else None, sglang_version()).problem()

@@ -159,7 +159,7 @@ def check_settings(env: Optional[Dict[str, str]] = None, ns: Any = None) -> List
                                          getattr(ns, "nnodes", 1))
     threads = config_mod.writer_threads(cfg, writers)
     out = [Finding("settings", OK, f"dump dir {cfg.dump_dir} writable; layers {cfg.layers or 'EAGLE-3 default'}; "
-                                   f"codec {cfg.codec} level {cfg.level}; {threads}{'' if cfg.writer_threads else ' (auto)'} "
+                                   f"states stored {cfg.store} (HSCAP_STORE); codec {cfg.codec} level {cfg.level}; {threads}{'' if cfg.writer_threads else ' (auto)'} "
                                    f"writer threads per writing rank, {writers} writing rank(s) on this host, "
                                    f"{'each in a writer process of its own' if cfg.writer == 'process' else 'in the server process (HSCAP_WRITER=thread)'}")]
     out.append(Finding("capture policy", OK, f"{cfg.policy.describe()} (HSCAP_CAPTURE_FRACTION; hscap send marks "
