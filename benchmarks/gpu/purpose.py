@@ -73,7 +73,7 @@ def _on_sigterm(signum, frame) -> None:
     sys.exit(143)
 
 
-WRITER_KEYS = ("steps_written", "steps_written_raw", "raw_bytes", "file_bytes", "forward_waited_s", "held_by_budget_s",
+WRITER_KEYS = ("steps_written", "steps_written_raw", "tokens_written", "raw_bytes", "file_bytes", "forward_waited_s", "held_by_budget_s",
                "held_by_pinned_s", "pinned_buffers", "pinned_bytes", "pinned_allocs_in_forward",
                "peak_inflight_bytes", "writer_threads")
 
@@ -163,9 +163,10 @@ class Run:
 
     def serve(self, kind: str, dump: Optional[str] = None, layers: str = "", spec: Optional[str] = None,
               send: bool = True, generate: bool = True, model: Optional[str] = None,
-              texts: Optional[str] = None, prenorm: bool = False) -> dict:
+              texts: Optional[str] = None, prenorm: bool = False, store: str = "") -> dict:
         """texts: send only this file (no warm-up, no timed send) instead of the held-out and train texts.
-        prenorm: the hook also captures the final norm's input."""
+        prenorm: the hook also captures the final norm's input. store: `hscap serve --store`.
+        A speculating server generates at temperature 0 and then 1."""
         model = model or self.model
         port = free_port()
         spec_flags = SPEC_FLAGS + ["--speculative-draft-model-path", spec] if spec else []
@@ -173,8 +174,8 @@ class Run:
             cmd = plain_command(os.path.join(self.work, "unused"), self.flags(port, model), self.server_env) + spec_flags
         else:  # a step run again captures afresh: never two runs of one step in its dump
             shutil.rmtree(dump, ignore_errors=True)
-            cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []), "--",
-                   *self.flags(port, model), *spec_flags]
+            cmd = [*HSCAP, "serve", "-d", dump, "--layers", layers, *(["--prenorm"] if prenorm else []),
+                   *(["--store", store] if store else []), "--", *self.flags(port, model), *spec_flags]
         env = {**self.server_env}
         log_path = os.path.join(self.work, f"server-{kind}.log")
         srv = Server(cmd, env, log_path, port)
@@ -191,6 +192,8 @@ class Run:
                 res["send_heldout"] = self.send(srv.url, os.path.join(self.data, "heldout.jsonl"))
             if generate:
                 res["generate"] = self.generate(srv.url, kind)
+            if generate and spec:  # sampling: the drafter's whole distribution must match, not its top token
+                res["generate_t1"] = self.generate(srv.url, kind + "-t1", temperature=1.0)
             if send:
                 res["send_train"] = self.send(srv.url, os.path.join(self.data, "train.jsonl"))
             sp = os.path.join(self.data, "sp")
@@ -213,15 +216,15 @@ class Run:
         s = hscap_json("send", data, "--url", url, "-c", str(concurrency), env=self.tool_env)
         return {k: s.get(k) for k in ("sent", "failed", "tokens", "tokens_per_s", "wall_s") if k in s} or s
 
-    def generate(self, url: str, kind: str) -> dict:
-        """Greedy generations, one request at a time (where speculation pays most), after 4
-        warm-up requests: decode tokens/s, accept length from SGLang's own counters, and how
+    def generate(self, url: str, kind: str, temperature: float = 0.0) -> dict:
+        """Generations, one request at a time (where speculation pays most), after 4 warm-up
+        requests: decode tokens/s, accept length from SGLang's own counters, and (greedy) how
         many outputs equal the plain server's (`off`) token for token."""
         rows = read_jsonl(os.path.join(self.data, "prompts.jsonl"))
 
         def one(row):
             body = json.dumps({"input_ids": row["input_ids"], "sampling_params": {
-                "max_new_tokens": self.a.new_tokens, "temperature": 0, "ignore_eos": True}}).encode()
+                "max_new_tokens": self.a.new_tokens, "temperature": temperature, "ignore_eos": True}}).encode()
             req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=300) as r:
                 return json.loads(r.read())
@@ -242,7 +245,7 @@ class Run:
         with open(os.path.join(self.work, f"outputs-{kind}.json"), "w") as f:
             json.dump(ids, f)
         base = os.path.join(self.work, "outputs-off.json")
-        if kind != "off" and os.path.exists(base):
+        if kind != "off" and not temperature and os.path.exists(base):
             with open(base) as f:
                 res["outputs_equal_off"] = f"{sum(a == b for a, b in zip(ids, json.load(f)))}/{len(ids)}"
         return res
@@ -360,7 +363,8 @@ class Run:
                        "torch_dtype": "bfloat16", "eagle_config": {"eagle_aux_hidden_state_layer_ids": eagle_ids}}, f)
         return path
 
-    def specforge_start(self, tag: str, data: str, steps: int, lr: float, port: int, from_dump: bool = False):
+    def specforge_start(self, tag: str, data: str, steps: int, lr: float, port: int, from_dump: bool = False,
+                        seed: int = 0):
         """Start SpecForge's own trainer on DATA (its own torchrun master port: the drafters
         train side by side on the one GPU); returns what specforge_finish needs."""
         out_dir = os.path.join(self.work, f"sf-out-{tag}")
@@ -391,14 +395,14 @@ training:
   eval_interval: {steps}
   save_interval: {steps}
   log_interval: 50
-  seed: 0
+  seed: {seed}
 output_dir: {out_dir}
 """)
         cmd = (["specforge", "train", "--config", cfg] if not from_dump else
                [*HSCAP, "train", "specforge", "--dataset", os.path.join(self.data, "train.jsonl"), "--", "--config", cfg])
         run = self.launch(cmd, os.path.join(self.work, f"sf-{tag}.log"), self.tool_env)
         return {**run, "tag": tag, "out_dir": out_dir, "draft": draft,
-                "res": {"steps": steps, "lr": lr, "data": os.path.basename(data), "from_dump": from_dump}}
+                "res": {"steps": steps, "lr": lr, "data": os.path.basename(data), "from_dump": from_dump, "seed": seed}}
 
     def launch(self, cmd: List[str], log: str, env: Dict[str, str]) -> dict:
         """A trainer in the background, its output in LOG; stopped with this script."""
@@ -468,6 +472,40 @@ output_dir: {out_dir}
         failed = [t for t, r in out.items() if r.get("exit") or r.get("export_exit")
                   or (t != "speculators" and "heldout_top1" not in r)]
         if failed:  # a rerun trains them again
+            out["error"] = f"failed: {failed}"
+        return out
+
+    # -- the compact tier (hscap serve --store fp8) ---------------------------------------------
+    def compact_data(self) -> dict:
+        """SpecForge's data from the lossless dump (train, held-out, the shifted control) and
+        from the fp8 dump (train: bfloat16 again, as merge hands every trainer), and the bytes
+        each dump took per token."""
+        sf = lambda n: os.path.join(self.work, f"sf-{n}")  # noqa: E731
+        train, held = os.path.join(self.data, "train.jsonl"), os.path.join(self.data, "heldout.jsonl")
+        out = {"train": self.merge(os.path.join(self.work, "dump-on"), sf("train"), train),
+               "heldout": self.merge(os.path.join(self.work, "dump-on"), sf("heldout"), held),
+               "train_fp8": self.merge(os.path.join(self.work, "dump-on_fp8"), sf("train-fp8"), train)}
+        import torch
+
+        os.makedirs(sf("shifted"), exist_ok=True)
+        for path in glob.glob(os.path.join(sf("train"), "**", "*.ckpt"), recursive=True):
+            torch.save(shift_one_token(torch.load(path)), os.path.join(sf("shifted"), os.path.basename(path)))
+        out["bytes"] = {k: writer_figures(os.path.join(self.work, f"dump-{k}")) for k in ("on", "on_fp8")}
+        return out
+
+    def compact_train(self) -> dict:
+        """Side by side: two drafters from the lossless dump with different seeds (their
+        difference is the noise), one from the fp8 dump, and the shifted control."""
+        w, n, lr = self.work, self.trained_steps(), self.a.lr
+        self.res.setdefault("data", self.res.get("compact_data"))  # draft_config reads merge's layer ids
+        jobs = [("right", "sf-train", 0), ("right_s1", "sf-train", 1), ("fp8", "sf-train-fp8", 0),
+                ("shifted", "sf-shifted", 0)]
+        runs = [self.specforge_start(tag, os.path.join(w, data), n, lr, 29500 + 7 * i, seed=seed)
+                for i, (tag, data, seed) in enumerate(jobs)]
+        _wait_all(runs)
+        out = {run["tag"]: self.specforge_finish(run) for run in runs}
+        failed = [t for t, r in out.items() if r.get("exit") or r.get("export_exit") or "heldout_top1" not in r]
+        if failed:
             out["error"] = f"failed: {failed}"
         return out
 
@@ -612,6 +650,14 @@ def main() -> None:
         "int4_verify": lambda: r.verify("int4_on", r.quantized()),
         # verify's bf16 rule measured on the `on` dump: the server and transformers' eager forward
         "rule": lambda: r.rule(),
+        # the compact tier: the same capture stored fp8, drafters trained from both, served
+        "on_fp8": lambda: r.serve("on_fp8", os.path.join(r.work, "dump-on_fp8"), RIGHT, prenorm=True, store="fp8"),
+        "verify_fp8": lambda: r.verify("on_fp8"),
+        "compact_data": r.compact_data,
+        "compact_train": r.compact_train,
+        "spec_right_s1": lambda: r.serve("spec_right_s1", spec=os.path.join(r.work, "drafter-right_s1"), send=False),
+        "spec_fp8": lambda: r.serve("spec_fp8", spec=os.path.join(r.work, "drafter-fp8"), send=False),
+        "spec_shifted": lambda: r.serve("spec_shifted", spec=os.path.join(r.work, "drafter-shifted"), send=False),
     }
     names = a.steps.split(",")
     for i, name in enumerate(names):
@@ -682,6 +728,22 @@ def summarize(res: dict) -> dict:
             s["decode"][k] = {"accept_length": g.get("accept_length"), "decode_tokens_per_s": g.get("decode_tokens_per_s"),
                               "over_no_spec": round(g["decode_tokens_per_s"] / no_spec, 3) if no_spec else None,
                               "outputs_equal_no_spec": g.get("outputs_equal_off")}
+    ct = res.get("compact_train") or {}
+    if ct:  # the compact tier: the fp8-trained drafter against two lossless ones (their spread is the noise)
+        t1 = lambda k: (res.get(k) or {}).get("generate_t1") or {}  # noqa: E731
+        spec = {"right": "spec_right", "right_s1": "spec_right_s1", "fp8": "spec_fp8", "shifted": "spec_shifted"}
+        s["compact"] = {tag: {"heldout_top1": (ct.get(tag) or {}).get("heldout_top1"),
+                              "simulated_acc_len": (ct.get(tag) or {}).get("simulated_acc_len"),
+                              "accept_length_t0": gen(k).get("accept_length"),
+                              "accept_length_t1": t1(k).get("accept_length")} for tag, k in spec.items()}
+        per_token = {}
+        for k, figs in ((res.get("compact_data") or {}).get("bytes") or {}).items():
+            for v in figs.values():
+                if isinstance(v, dict) and v.get("tokens_written"):
+                    per_token[k] = round(v["file_bytes"] / v["tokens_written"], 1)
+        if per_token:
+            s["compact_bytes_per_token"] = per_token
+        s["compact_verify"] = {x: (res.get("verify_fp8") or {}).get(x) for x in ("ok", "samples_complete", "findings")}
     hooked, plain = gen("spec_hooked"), gen("spec_right")
     if hooked and plain:
         s["speculating_server_hook_on_vs_off"] = {

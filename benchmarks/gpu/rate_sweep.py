@@ -75,6 +75,8 @@ SERVERS: Dict[str, tuple] = {
     "alt-pre3-t6": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "6"}, "shm", "alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
+    # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)
+    "alt-pre3-fp8": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_STORE": "fp8"}, "shm", "alt"),
 }
 # the rounds of an `alt` server: off = unmarked, on = marked; `on-idle`/`on-cores` move the
 # writer (tune_writer) for that round only
