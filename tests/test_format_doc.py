@@ -11,7 +11,7 @@ from typing import Dict, Iterable, Set
 
 from hs_capture.dump import hst
 from hs_capture.dump.paths import index_path, rank_meta_path, rank_tags, run_dirs
-from hs_capture.dump.schema import SCHEMA_VERSION, FileRef, IndexLine, RankMeta, SeqEntry
+from hs_capture.dump.schema import SCHEMA_LOSSLESS, SCHEMA_VERSION, FileRef, IndexLine, RankMeta, SeqEntry
 from tests.sglang_cpu.harness import REPO
 
 RUN_META, INDEX, NATIVE = "## 2.", "## 3.", "## 5."
@@ -53,7 +53,7 @@ def test_every_key_a_real_server_wrote_is_documented(served_dump):
         meta = json.load(open(rank_meta_path(run, tag)))
         nested = [k for key in ("stats", "parallel", "server_modes", "capture_stopped") for k in meta.get(key) or {}]
         assert undocumented(list(meta) + nested, RUN_META) == set()
-        assert meta["schema"] == SCHEMA_VERSION
+        assert meta["schema"] == SCHEMA_LOSSLESS  # a lossless run stays schema 1
         with open(index_path(run, tag)) as f:
             lines = [json.loads(x) for x in f]
         keys = {k for x in lines for k in x} | {k for x in lines for s in x["seqs"] for k in s} | {
@@ -63,7 +63,8 @@ def test_every_key_a_real_server_wrote_is_documented(served_dump):
 
 def test_the_versions_the_code_writes_are_the_documented_ones(tmp_path):
     text = open(os.path.join(REPO, "FORMAT.md")).read()
-    assert f"| schema {SCHEMA_VERSION} |" in text and f"`.hst` tensor file (version {hst.FORMAT_VERSION})" in text
+    assert f"| schema {SCHEMA_LOSSLESS} and {SCHEMA_VERSION} |" in text
+    assert f"`.hst` tensor file (version {hst.FORMAT_VERSION})" in text
     from hs_capture.offline.formats import native
 
     os.makedirs(tmp_path / native.SHARD_DIR)

@@ -493,6 +493,19 @@ output_dir: {out_dir}
         out["bytes"] = {k: writer_figures(os.path.join(self.work, f"dump-{k}")) for k in ("on", "on_fp8")}
         return out
 
+    def compact_bytes(self) -> dict:
+        """benchmarks/compact_tier.py on the lossless dump of the trained target: bytes per
+        token of each tier, and the entropy coder's rates per core, on this host's CPU."""
+        out = os.path.join(self.work, "compact_tier.json")
+        p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "compact_tier.py"), "--dump",
+                            os.path.join(self.work, "dump-on"), "--label", "the trained target's states (purpose.py "
+                            "dump-on: layers 2,3,5, final, pre-norm)", "--files", "48", "--out", out],
+                           cwd=REPO, env=self.tool_env, capture_output=True, text=True, timeout=1200)
+        if p.returncode != 0:
+            raise RuntimeError(f"compact_tier.py exited {p.returncode}: {p.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)
+
     def compact_train(self) -> dict:
         """Side by side: two drafters from the lossless dump with different seeds (their
         difference is the noise), one from the fp8 dump, and the shifted control."""
@@ -654,6 +667,7 @@ def main() -> None:
         "on_fp8": lambda: r.serve("on_fp8", os.path.join(r.work, "dump-on_fp8"), RIGHT, prenorm=True, store="fp8"),
         "verify_fp8": lambda: r.verify("on_fp8"),
         "compact_data": r.compact_data,
+        "compact_bytes": r.compact_bytes,
         "compact_train": r.compact_train,
         "spec_right_s1": lambda: r.serve("spec_right_s1", spec=os.path.join(r.work, "drafter-right_s1"), send=False),
         "spec_fp8": lambda: r.serve("spec_fp8", spec=os.path.join(r.work, "drafter-fp8"), send=False),
