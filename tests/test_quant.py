@@ -42,9 +42,14 @@ def test_dequantizing_is_exact_in_bfloat16_and_within_the_e4m3_bound():
     assert torch.equal(back.float(), q.float() * s[:, None])  # q x 2^k is a bfloat16: no rounding
     xf = x.float()
     err = (back.float() - xf).abs()
-    normal = xf.abs() >= 2.0 ** -6 * s[:, None]  # e4m3's normal range, in units of the scale
-    assert (err[normal] <= 2.0 ** -4 * xf.abs()[normal]).all()
-    assert (err[~normal] <= 2.0 ** -10 * s.expand_as(xf.T).T[~normal]).all()  # half a subnormal step
+    y = xf.abs() / s[:, None]  # in units of the scale
+    fine, coarse, sub = y >= quant.COARSE_BELOW, (y < quant.COARSE_BELOW) & (y >= 2.0 ** -6), y < 2.0 ** -6
+    assert fine.any() and coarse.any()
+    assert (err[fine] <= 2.0 ** -4 * xf.abs()[fine]).all()  # 3 mantissa bits
+    assert (err[coarse] <= 2.0 ** -3 * xf.abs()[coarse]).all()  # 2 mantissa bits
+    assert (err[sub] <= 2.0 ** -9 * s[:, None].expand_as(xf)[sub]).all()  # e4m3's subnormal step
+    # the large values really keep their third mantissa bit, the small ones really lose it
+    assert (err[fine] > 2.0 ** -5 * xf.abs()[fine]).any() and (err[coarse] > 2.0 ** -4 * xf.abs()[coarse]).any()
     rel = quant.rel_error(xf.numpy())
     want = ((back.float() - xf).norm(dim=1) / xf.norm(dim=1)).numpy()
     np.testing.assert_allclose(rel, want, rtol=1e-5)
