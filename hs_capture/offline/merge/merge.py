@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from hs_capture.offline.workers import procs
 from hs_capture.offline.read.attribution import unattributed
+from hs_capture.dump import quant  # no torch until a function of it runs
 from hs_capture.dump.files import atomic_write
 from hs_capture.offline.formats import FORMATS, NAMES, Output, TrainingFormat
 from hs_capture.offline.read.inputs import BadLine, Inputs, load_inputs
@@ -228,9 +229,17 @@ def _earlier_report(out_dir: str, fmt: str) -> dict:
     return doc if isinstance(doc, dict) and doc.get("format") == fmt else {}
 
 
+def _stored_as(p: Plan) -> Optional[str]:
+    """The compact tier's scheme where any state merged from these dumps was stored in it (the
+    merged values carry its rounding: verify --reference allows for it), else None (lossless)."""
+    fp8 = any(pc.dtype == quant.STORED_DTYPE for pcs in p.samples.values() for pc in pcs)
+    return quant.SCHEME if fp8 else None
+
+
 def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format: TrainingFormat,
                    ds: Optional[Inputs], served: Optional[ServedIds]) -> None:
-    """merge_report.json (what verify --reference needs to map aux blocks back to layers), and
+    """merge_report.json (what verify --reference needs to map aux blocks back to layers, and
+    `stored_as` where the source was the compact tier: what its rule allows for), and
     the trainer's settings that match the capture. Both say what the directory holds: an
     earlier run's counts and warnings are kept, this run's added (a re-run over finished output
     writes nothing new and must not erase the record)."""
@@ -255,4 +264,7 @@ def _write_reports(out_dir: str, total: MergeResult, p: Plan, training_format: T
     report["incomplete"] = {**whole_now, **total.incomplete}
     report["dtypes"] = sorted(set(earlier.get("dtypes") or []) | set(total.dtypes))
     report.update(warnings=warnings, layers=p.layers, hidden_size=p.hidden_size, prenorm=p.prenorm)
+    stored_as = earlier.get("stored_as") or _stored_as(p)
+    if stored_as:  # only for the compact tier: a lossless source's report stays as it was
+        report["stored_as"] = stored_as
     atomic_write(os.path.join(out_dir, REPORT), [json.dumps(report, indent=1, sort_keys=True).encode()], fsync=False)

@@ -40,6 +40,7 @@ class Piece:
     offset: int
     length: int
     prefix: int
+    dtype: str = ""  # its index line's: what the server stored (quant.STORED_DTYPE: the compact tier)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Captured:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
                             continue
-                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix)
+                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix, line.dtype)
                         self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
                                                                    piece)
 

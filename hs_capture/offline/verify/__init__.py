@@ -73,11 +73,21 @@ def _dump_samples(p, k: int, rng: random.Random):
         yield Stored(rid, os.path.basename(p.runs[p.samples[rid][0].run].path), s.input_ids.numpy(),
                      {k: v.float().numpy() for k, v in s.layers.items()}, s.final.float().numpy(),
                      s.prenorm.float().numpy() if s.prenorm is not None else None,
-                     str(s.final.dtype).replace("torch.", ""), {pc.prefix: pc.step for pc in p.samples[rid]})
+                     _stored_dtype(p.samples[rid], str(s.final.dtype).replace("torch.", "")),
+                     {pc.prefix: pc.step for pc in p.samples[rid]})
+
+
+def _stored_dtype(pieces, read: str) -> str:
+    """What the server stored a sample's states as: its index lines' dtype where any piece is in
+    the compact tier (the readers hand those out dequantized, as `read`), else `read`."""
+    from hs_capture.dump import quant
+
+    return quant.STORED_DTYPE if any(pc.dtype == quant.STORED_DTYPE for pc in pieces) else read
 
 
 def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k: int, rng: random.Random,
                     report: Report):
+    from hs_capture.dump import quant
     from hs_capture.offline.verify.merged import load_item
     from hs_capture.offline.verify.reference import Stored
 
@@ -100,6 +110,7 @@ def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k
             report.add("reference", f"aux holds {s.aux.shape[1] // h} layers, --layers names {len(layers)}",
                        path=it.path, rid=s.rid)
             continue
+        # merged from the compact tier (merge_report.json's stored_as): the values carry its rounding
         yield Stored(s.rid or it.path, it.path, s.input_ids,
                      {layer: s.aux[:, j * h:(j + 1) * h] for j, layer in enumerate(sorted(layers))},
-                     s.final, s.prenorm, s.dtype)
+                     s.final, s.prenorm, quant.STORED_DTYPE if it.stored_as == quant.SCHEME else s.dtype)

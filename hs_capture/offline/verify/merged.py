@@ -3,7 +3,8 @@ its format's keys, dtypes and shapes, token ids equal to the dataset, and sane v
 
 Each format finds its own samples and reads them back (hs_capture.offline.formats: the native
 format through its index.json, the others by their file names); merge_report.json, when
-there, says which samples merge left out and why, and the hidden size the readers check.
+there, says which samples merge left out and why, the hidden size the readers check, and
+(stored_as) whether the states came from the compact tier (FP8: --reference allows its error).
 Torch files are opened with weights_only=True: nothing read is ever unpickled as code."""
 
 from __future__ import annotations
@@ -30,27 +31,31 @@ def is_merged(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MERGE_REPORT)) or any(f.marks(path) for f in FORMATS.values())
 
 
-def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[int]]:
+def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[int], Optional[str]]:
     """From merge_report.json, when there: rid -> reason for samples merge reported
-    incomplete, and the hidden size it recorded."""
+    incomplete, the hidden size it recorded, and what its source stored the states as (the
+    compact tier's scheme, or None: lossless)."""
     rpath = os.path.join(root, MERGE_REPORT)
     if not os.path.isfile(rpath):
-        return {}, None
+        return {}, None, None
     try:
         with open(rpath) as f:
             rep = json.load(f)
         incomplete = {str(k): str(v) for k, v in (rep.get("incomplete") or {}).items()}
-        report.stats.setdefault("merge_reports", []).append({k: rep.get(k) for k in ("format", "shard", "layers")})
+        keys = ("format", "shard", "layers") + (("stored_as",) if "stored_as" in rep else ())
+        report.stats.setdefault("merge_reports", []).append({k: rep.get(k) for k in keys})
     except (OSError, ValueError, AttributeError) as e:
         report.add("samples", f"merge report unreadable: {e}", path=rpath)
-        return {}, None
+        return {}, None, None
     hidden = rep.get("hidden_size")
-    return incomplete, hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
+    stored_as = rep.get("stored_as")
+    return (incomplete, hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None,
+            stored_as if isinstance(stored_as, str) else None)
 
 
 def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[List[Item], Dict[str, str]]:
     """Items under a merged dir, and rid -> reason for samples merge reported incomplete."""
-    incomplete, hidden = _merge_report(root, report)
+    incomplete, hidden, stored_as = _merge_report(root, report)
     files: List[str] = []
     for dirpath, dirs, names in os.walk(root):
         dirs.sort()
@@ -68,7 +73,8 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
             report.add("samples", e.reason, path=e.path)
             continue
         # the readers check the states' width against the hidden size the merge recorded
-        items += [replace(r, hidden_size=hidden) if r.hidden_size is None and hidden is not None else r for r in found]
+        found = [replace(r, hidden_size=hidden) if r.hidden_size is None and hidden is not None else r for r in found]
+        items += [replace(r, stored_as=stored_as) if stored_as else r for r in found]
     return items, incomplete
 
 

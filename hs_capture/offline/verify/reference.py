@@ -22,6 +22,13 @@ off by:
 Another batch's states, a shifted row or a wrong layer are off by far more than the tail's
 bound, on more tokens than the tail; a right capture by about what the reference is (the
 margins both ways: benchmarks/README.md, reference_rule.py).
+
+A dump in the compact tier (FP8 e4m3, dump/quant.py; a merged output whose merge_report.json
+says "stored_as": "fp8_e4m3") holds states the server computed in bfloat16 and then
+quantized: each token's bound (the pairing's and the tail's) is the bf16 rule's plus
+QUANT_FACTOR x that token's storage error, measured by quantizing transformers' float32 state
+itself (quant.rel_error). Both errors are of the token's own values: the server's state
+rounds to nearly the same FP8 values as the reference's (margins: tests/test_verify_fp8.py).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
+from hs_capture.dump import quant
 from hs_capture.offline.verify.report import WARNING, Report
 
 # a right capture's typical token is within transformers' own bf16 error (benchmarks/README.md,
@@ -40,8 +48,27 @@ NOISE_FACTOR = 4.0
 # the tail a bf16 implementation may put elsewhere than transformers': by definition 1% of
 # transformers' own tokens lie beyond its 99th percentile
 TAIL = 0.01
+# how much of the reference's own FP8 storage error a token may carry: the server quantizes its
+# bf16 state, which rounds to the FP8 values of the reference's but near a rounding midpoint
+# (measured on tiny Llama and DeepSeek-V3 targets: the stored token's storage error at most 1.10x
+# the reference's; a right capture's worst token at 0.48 of its bound, faults at 5.8x and more)
+QUANT_FACTOR = 1.5
+_STORE = "fp8"  # how messages name the compact tier
 FLOAT_DTYPES = ("float32", "float64")
 _EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+# a quantized stored dtype -> what the server computed in (its noise's dtype): quant.py's
+# states are bf16 quantized on the device
+_COMPUTED = {quant.STORED_DTYPE: quant.DEQUANT_DTYPE}
+
+
+def computed(dtype: str) -> str:
+    """The dtype the server computed a state stored as `dtype` in."""
+    return _COMPUTED.get(dtype, dtype)
+
+
+def quantized(dtype: str) -> bool:
+    """Stored in the compact tier (its storage error is allowed on top of the server's)."""
+    return dtype in _COMPUTED
 
 
 @dataclass
@@ -55,7 +82,9 @@ class Stored:
     layers: Dict[int, np.ndarray]
     final: Optional[np.ndarray]
     prenorm: Optional[np.ndarray]
-    dtype: str = "float32"  # what the server stored (the arrays above are float32 copies)
+    # what the server stored (the arrays above are float32 copies): quant.STORED_DTYPE for the
+    # compact tier, whose states readers hand out dequantized to bfloat16
+    dtype: str = "float32"
     # the dump's pieces: first position -> the step (forward pass) that captured it; a finding
     # at a piece's first token points at the server's chunked-prefill boundary, not the capture
     pieces: Dict[int, int] = field(default_factory=dict)
@@ -71,7 +100,7 @@ class Tolerance:
     def fixed(self, dtype: str) -> Optional[Tuple[float, float]]:
         if self.atol is not None or self.rtol is not None:
             return (self.atol or 0.0, self.rtol or 0.0)
-        if dtype in FLOAT_DTYPES or dtype not in _EPS:
+        if dtype in FLOAT_DTYPES or computed(dtype) not in _EPS:
             return (1e-4, 0.0)
         return None
 
@@ -97,6 +126,19 @@ class StateStats:
     ref_tail_rel: Optional[float] = None
     tail_tokens: Optional[int] = None
     worst_vs_bound: Optional[float] = None
+    # the compact tier only: the FP8 storage error of transformers' float32 state, per token
+    # (its median and worst over every token compared), and the factor the bound allows of it
+    quant_median_rel: Optional[float] = None
+    quant_max_rel: Optional[float] = None
+    quant_factor: Optional[float] = None
+
+
+_QUANT_STATS = ("quant_median_rel", "quant_max_rel", "quant_factor")
+
+
+def _stats_doc(st: StateStats) -> Dict[str, object]:
+    """A state's figures for the report: the compact tier's only where it applies."""
+    return {k: v for k, v in asdict(st).items() if v is not None or k not in _QUANT_STATS}
 
 
 class Reference:
@@ -160,7 +202,7 @@ def _where(row: int, pieces: Dict[int, int]) -> str:
 class Judged:
     """One state of one sample under the bf16/fp16 rule."""
 
-    pairing: np.ndarray  # per token, its error over 4x transformers' own at that token
+    pairing: np.ndarray  # per token, its error over 4x transformers' own at that token (+ the FP8 term)
     ratio: np.ndarray  # per token, over its bound: the pairing's, or for a token over it the tail's
     tail_tokens: int  # tokens over the pairing
     problem: Optional[str] = None  # None: the state passes
@@ -175,7 +217,15 @@ class _Noisy:
     what: str
     dtype: str
     rel: np.ndarray  # per token: |stored - float32| / |float32|
-    noise: np.ndarray  # per token: |transformers in the stored dtype - float32| / |float32|
+    noise: np.ndarray  # per token: |transformers in the computed dtype - float32| / |float32|
+    quant: Optional[np.ndarray] = None  # the compact tier: per token, quant.rel_error of float32
+
+    def bound(self, own: np.ndarray) -> np.ndarray:
+        """Per token: NOISE_FACTOR x `own` (transformers' error, floored), plus in the compact
+        tier the FP8 storage error of that token."""
+        if self.quant is None:
+            return NOISE_FACTOR * own
+        return NOISE_FACTOR * own + QUANT_FACTOR * self.quant
 
 
 @dataclass
@@ -185,6 +235,8 @@ class _Limit:
     tail: float  # transformers' own error at its worst TAIL of tokens (at least half an epsilon)
     median_rel: float
     ref_median_rel: float  # at least half an epsilon, as the per-token floor
+    quant_median_rel: Optional[float] = None  # the compact tier's storage error of float32
+    quant_max_rel: Optional[float] = None
 
     @property
     def median_vs_ref(self) -> float:
@@ -223,20 +275,25 @@ def _measure(got: np.ndarray, want: np.ndarray, low: Optional[np.ndarray],
 
 def _limits(noisy: Iterable[_Noisy]) -> Dict[Tuple[str, str], _Limit]:
     """Per (state, dtype): the tail's level and the medians, over every token of every sample."""
-    pooled: Dict[Tuple[str, str], Tuple[List[np.ndarray], List[np.ndarray]]] = {}
+    pooled: Dict[Tuple[str, str], Tuple[List[np.ndarray], List[np.ndarray], List[np.ndarray]]] = {}
     for n in noisy:
-        rels, noises = pooled.setdefault((n.what, n.dtype), ([], []))
+        rels, noises, quants = pooled.setdefault((n.what, n.dtype), ([], [], []))
         rels.append(n.rel)
         noises.append(n.noise)
+        if n.quant is not None:
+            quants.append(n.quant)
     out = {}
-    for (what, dtype), (rels, noises) in pooled.items():
+    for (what, dtype), (rels, noises, quants) in pooled.items():
         rel, noise = np.concatenate(rels), np.concatenate(noises)
         noise = noise[np.isfinite(noise)]  # tokens transformers' own forward lost are not judged (compare)
         if rel.size:
-            half_eps = _EPS[dtype] / 2
+            half_eps = _EPS[computed(dtype)] / 2
             tail, med = (float(np.quantile(noise, 1 - TAIL)), float(np.median(noise))) if noise.size else (0.0, 0.0)
-            out[(what, dtype)] = _Limit(max(tail, half_eps), float(np.median(np.nan_to_num(rel, nan=np.inf))),
-                                        max(med, half_eps))
+            lim = _Limit(max(tail, half_eps), float(np.median(np.nan_to_num(rel, nan=np.inf))), max(med, half_eps))
+            if quants:
+                q = np.concatenate(quants)
+                lim.quant_median_rel, lim.quant_max_rel = float(np.median(q)), float(q.max())
+            out[(what, dtype)] = lim
     return out
 
 
@@ -250,9 +307,9 @@ def _judge_noisy(n: _Noisy, limit: _Limit, pieces: Dict[int, int]) -> Judged:
     A token whose reference in the stored dtype is not finite is not judged (compare says so)."""
     known = np.isfinite(n.noise)
     med = float(np.median(n.noise[known])) if known.any() else 0.0
-    own = np.maximum(np.where(known, n.noise, np.inf), max(med, _EPS[n.dtype] / 2))
-    pairing = n.rel / (NOISE_FACTOR * own)
-    tail = n.rel / (NOISE_FACTOR * np.maximum(own, limit.tail))
+    own = np.maximum(np.where(known, n.noise, np.inf), max(med, _EPS[computed(n.dtype)] / 2))
+    pairing = n.rel / n.bound(own)
+    tail = n.rel / n.bound(np.maximum(own, limit.tail))
     over = ~(pairing <= 1.0)  # NaN is over
     beyond = ~(tail <= 1.0)
     count, allowed = int(over.sum()), tail_allowed(n.rel.size)
@@ -261,22 +318,31 @@ def _judge_noisy(n: _Noisy, limit: _Limit, pieces: Dict[int, int]) -> Judged:
     if not beyond.any() and count <= allowed:
         return Judged(pairing, ratio, count)
     row = int(np.argmax(beyond)) if beyond.any() else int(np.argmax(over))
+    dtype = computed(n.dtype)
+    plus = "" if n.quant is None else f" plus the {_STORE} storage error at that token"
     why = (f"{int(beyond.sum())} of {n.rel.size} tokens differ from transformers float32 by more than "
-           f"{NOISE_FACTOR:g}x even the level transformers' own {n.dtype} error reaches at its worst {TAIL:.0%} "
-           f"of tokens" if beyond.any() else
+           f"{NOISE_FACTOR:g}x even the level transformers' own {dtype} error reaches at its worst {TAIL:.0%} "
+           f"of tokens{plus}" if beyond.any() else
            f"{count} of {n.rel.size} tokens differ from transformers float32 by more than {NOISE_FACTOR:g}x "
-           f"transformers' own {n.dtype} error at that token, where {allowed} may (the tail)")
+           f"transformers' own {dtype} error{plus or ' at that token'}, where {allowed} may (the tail)")
+    store = "" if n.quant is None else f", {_STORE} storage {n.quant[row]:.3g} x{QUANT_FACTOR:g}"
     return Judged(pairing, ratio, count,
                   f"{n.what}: {why} (first at {_where(row, pieces)}: {n.rel[row]:.3g} vs {n.noise[row]:.3g} at that "
-                  f"token, {limit.tail:.3g} at the worst {TAIL:.0%})", row)
+                  f"token, {limit.tail:.3g} at the worst {TAIL:.0%}{store})", row)
 
 
-def _through_the_states(row: int, judged: Dict[str, Judged]) -> str:
-    """One token's error over 4x transformers' own at that token, at every state compared, in
-    layer order: growing through the layers reads as arithmetic parting; one state far off
-    alone, as a capture fault."""
+def _through_the_states(row: int, judged: Dict[str, Judged], stored: bool = False) -> str:
+    """One token's error over 4x transformers' own at that token (`stored`: plus its FP8
+    storage error), at every state compared, in layer order: growing through the layers reads
+    as arithmetic parting; one state far off alone, as a capture fault."""
     parts = [f"{what} {j.pairing[row]:.2f}" for what, j in judged.items() if row < j.pairing.size]
-    return "; that token, each state's error over transformers' own x4: " + ", ".join(parts) if len(parts) > 1 else ""
+    over = f"transformers' own x4 plus the {_STORE} storage error" if stored else "transformers' own x4"
+    return f"; that token, each state's error over {over}: " + ", ".join(parts) if len(parts) > 1 else ""
+
+
+def _storage_error(want: np.ndarray) -> np.ndarray:
+    """Per token, the FP8 storage error of transformers' float32 state (a zero token has none)."""
+    return np.nan_to_num(quant.rel_error(want), nan=0.0)
 
 
 def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tolerance) -> Dict[str, float]:
@@ -295,8 +361,8 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         prenorm = s.prenorm is not None
         hs, pre = ref.states(s.input_ids, prenorm=prenorm)
         low_hs, low_pre = (None, None)
-        if s.dtype in _EPS:  # the reference in the stored dtype: its noise (and the per-state figures)
-            low_hs, low_pre = ref.states(s.input_ids, prenorm=prenorm, dtype=s.dtype)
+        if computed(s.dtype) in _EPS:  # the reference in the dtype computed in: its noise (and the figures)
+            low_hs, low_pre = ref.states(s.input_ids, prenorm=prenorm, dtype=computed(s.dtype))
         if s.dtype not in dtypes:
             dtypes.append(s.dtype)
 
@@ -325,7 +391,8 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
                 if problem:
                     fixed_problems.append(problem)
             elif diff.size:  # a noisy dtype always has its reference in that dtype (above)
-                noisy.append(_Noisy(what, s.dtype, _row_rel(diff, want), noise))
+                noisy.append(_Noisy(what, s.dtype, _row_rel(diff, want), noise,
+                                    _storage_error(want) if quantized(s.dtype) else None))
         worst[s.rid] = w
         seen.append((s.path, s.rid, s.pieces, fixed_problems, noisy))  # not the states: one sample's in memory
 
@@ -334,6 +401,9 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         st = per_state[key]
         st.median_rel, st.ref_median_rel, st.ref_tail_rel = lim.median_rel, lim.ref_median_rel, lim.tail
         st.median_vs_ref = lim.median_vs_ref
+        if lim.quant_median_rel is not None:
+            st.quant_median_rel, st.quant_max_rel = lim.quant_median_rel, lim.quant_max_rel
+            st.quant_factor = QUANT_FACTOR
     for path, rid, pieces, fixed_problems, noisy in seen:
         for problem in fixed_problems:
             report.add("reference", problem, path=path, rid=rid)
@@ -341,18 +411,20 @@ def compare(report: Report, ref: Reference, samples: Iterable[Stored], tol: Tole
         for n in noisy:
             lost = int((~np.isfinite(n.noise)).sum())
             if lost:  # the reference's own failure, not the capture's: said, not held against it
-                report.add("reference", f"{n.what}: transformers' own {n.dtype} forward is not finite at {lost} of "
-                                        f"{n.noise.size} tokens: those are not judged", WARNING, path=path, rid=rid)
+                report.add("reference", f"{n.what}: transformers' own {computed(n.dtype)} forward is not finite at "
+                                        f"{lost} of {n.noise.size} tokens: those are not judged", WARNING,
+                           path=path, rid=rid)
             j, st = judged[n.what], per_state[(n.what, n.dtype)]
             st.worst_vs_bound = max(st.worst_vs_bound or 0.0, float(np.nan_to_num(j.ratio, nan=np.inf).max()))
             st.tail_tokens = (st.tail_tokens or 0) + j.tail_tokens
             if j.problem:
-                report.add("reference", j.problem + _through_the_states(j.row, judged), path=path, rid=rid)
+                report.add("reference", j.problem + _through_the_states(j.row, judged, n.quant is not None),
+                           path=path, rid=rid)
     if worst:
         report.stats["reference_max_abs_diff"] = max(worst.values())
         report.stats["reference_samples"] = len(worst)
         report.stats["reference_dtypes"] = dtypes
         # a state's name alone, unless the dump holds samples of more than one dtype
-        report.stats["reference_states"] = {(what if len(dtypes) == 1 else f"{what} ({dtype})"): asdict(v)
+        report.stats["reference_states"] = {(what if len(dtypes) == 1 else f"{what} ({dtype})"): _stats_doc(v)
                                             for (what, dtype), v in per_state.items()}
     return worst
