@@ -445,17 +445,20 @@ output_dir: {out_dir}
             res["export_tail"] = (e.stdout + e.stderr)[-2000:]
         return res
 
-    def train(self) -> dict:
-        """The drafters, side by side: right (merged), right straight from the dump, the
-        shifted, wrong-layer and permuted controls, an untrained one (a single step at lr
-        1e-10), and speculators' own trainer when its data was captured."""
-        w, n, lr = self.work, self.trained_steps(), self.a.lr
+    def head_index(self) -> None:
         index = os.path.join(self.model, "text_model", "model.safetensors.index.json")
         if not os.path.exists(index):  # SpecForge finds the target's head through the index
             from safetensors import safe_open
 
             with safe_open(os.path.join(self.model, "text_model", "model.safetensors"), "pt") as f:
                 json.dump({"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}, open(index, "w"))
+
+    def train(self) -> dict:
+        """The drafters, side by side: right (merged), right straight from the dump, the
+        shifted, wrong-layer and permuted controls, an untrained one (a single step at lr
+        1e-10), and speculators' own trainer when its data was captured."""
+        w, n, lr = self.work, self.trained_steps(), self.a.lr
+        self.head_index()
         jobs = [("right", os.path.join(w, "sf-train"), n, lr, False),
                 ("dump", os.path.join(w, "dump-on"), n, lr, True),
                 ("shifted", os.path.join(w, "sf-shifted"), n, lr, False),
@@ -510,6 +513,7 @@ output_dir: {out_dir}
         """Side by side: two drafters from the lossless dump with different seeds (their
         difference is the noise), one from the fp8 dump, and the shifted control."""
         w, n, lr = self.work, self.trained_steps(), self.a.lr
+        self.head_index()
         self.res.setdefault("data", self.res.get("compact_data"))  # draft_config reads merge's layer ids
         jobs = [("right", "sf-train", 0), ("right_s1", "sf-train", 1), ("fp8", "sf-train-fp8", 0),
                 ("shifted", "sf-shifted", 0)]

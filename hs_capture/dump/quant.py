@@ -19,6 +19,7 @@ from typing import Tuple
 SCHEME = "fp8_e4m3"  # what a .hst entry's "quant" names; the run metadata's "store"
 STORED_DTYPE = "float8_e4m3fn"
 SCALE_DTYPE = "float32"
+SCALE_TENSOR = "hidden_scale"  # a state file's scale, beside its `hidden`
 DEQUANT_DTYPE = "bfloat16"  # what readers hand out
 FP8_MAX = 448.0
 _ROWS = 8192  # rows quantized at a time: bounds the temporary bfloat16 copy on the device

@@ -17,6 +17,7 @@ import numpy as np
 from hs_capture.dump import files
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.files import fsync_dir, remove_quietly
+from hs_capture.dump.quant import SCALE_TENSOR
 from hs_capture.dump.paths import FINAL, RankId, part_name, step_file
 from hs_capture.dump.schema import FileRef
 
@@ -24,7 +25,6 @@ from hs_capture.dump.schema import FileRef
 # next batch while this step is still being copied: staging owns them first (staging.py).
 INPUT_PARTS = ("tokens", "positions")
 SCALE = "#scale"  # a quantized state's scale (step.compact): stored in its part's file
-SCALE_TENSOR = "hidden_scale"
 
 
 class Placed(NamedTuple):

@@ -23,6 +23,7 @@ from hs_capture.offline.verify.pool import process_map
 from hs_capture.offline.verify.report import WARNING, Finding, Report
 from hs_capture.offline.verify.runs import rel
 from hs_capture.offline.verify.values import as_array, identical_pairs, value_problems
+from hs_capture.dump.quant import SCALE_TENSOR
 
 Progress = Callable[[int, int], None]
 _HEADER_ERRORS = (fmt.HeaderTooSmall, fmt.BadMagic, fmt.HeaderTooLarge, fmt.InvalidHeader,
@@ -64,8 +65,13 @@ def check_step(step: Step, report: Report, dataset: Optional[Dict[str, List[int]
             hidden[part], crcs[part] = got.arrays["hidden"], got.hidden_crc
             report.looked("nonfinite")
             report.looked("degenerate")
-            for check, msg in value_problems(got.arrays["hidden"], got.hidden_bf16):
+            for check, msg in value_problems(got.arrays["hidden"], got.hidden_dtype == "bfloat16",
+                                             got.hidden_dtype == "float8_e4m3fn"):
                 report.add(check, msg, path=got.rel)
+            scale = got.arrays.get(SCALE_TENSOR)
+            if scale is not None and not np.isfinite(scale).all():
+                report.add("nonfinite", f"{SCALE_TENSOR}: {int((~np.isfinite(scale)).sum())} scales are not finite",
+                           path=got.rel)
         if part == FINAL:
             final = got.arrays
     report.looked("identical")
@@ -84,7 +90,7 @@ class _Decoded:
     size: int
     arrays: Dict[str, np.ndarray]
     hidden_crc: int = 0
-    hidden_bf16: bool = False
+    hidden_dtype: str = ""
 
 
 def _check_part(step: Step, part: str, f: FileRef, report: _Marking) -> Optional[_Decoded]:
@@ -106,6 +112,8 @@ def _check_part(step: Step, part: str, f: FileRef, report: _Marking) -> Optional
             meta = step.run.ranks[step.rank]
             _check_placement(header.metadata, meta.run_id or None, step.rank, step.line.step, part, where, report)
             names = {"hidden", "input_ids", "positions"} if part == FINAL else {"hidden"}
+            if "hidden" in header.tensors and header.tensors["hidden"].scale:  # the compact tier
+                names.add(SCALE_TENSOR)
             if set(header.tensors) != names:
                 report.add("shapes", f"holds tensors {sorted(header.tensors)}, expected {sorted(names)}", path=where)
             out = _Decoded(where, size, {})
@@ -119,7 +127,7 @@ def _check_part(step: Step, part: str, f: FileRef, report: _Marking) -> Optional
                     continue
                 out.arrays[name] = as_array(raw, e.dtype, e.shape)
                 if name == "hidden":
-                    out.hidden_crc, out.hidden_bf16 = e.crc32, e.dtype == "bfloat16"
+                    out.hidden_crc, out.hidden_dtype = e.crc32, e.dtype
                 _check_shape(name, e, step.line.num_tokens, meta.hidden_size, step.line.dtype or None, where,
                              report)
             return out
@@ -160,6 +168,8 @@ def _check_shape(name: str, e: fmt.TensorEntry, n: int, hidden_size: int, dtype:
     report.looked("shapes")
     if name == "hidden":
         want_shape, ok_dtype = (n, hidden_size), (dtype is None or e.dtype == dtype)
+    elif name == SCALE_TENSOR:
+        want_shape, ok_dtype = (n,), e.dtype == "float32"
     else:
         want_shape, ok_dtype = (n,), e.dtype in ("int64", "int32")
     if tuple(e.shape) != want_shape:

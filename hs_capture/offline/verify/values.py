@@ -17,27 +17,32 @@ def as_array(raw: bytes, dtype: str, shape) -> np.ndarray:
     (value_problems reads them directly: no float32 copy of a 470 MB step)."""
     if dtype == "bfloat16":
         return np.frombuffer(raw, dtype="<u2").reshape(shape)
+    if dtype == "float8_e4m3fn":  # numpy has no fp8: its bit patterns, read as they are
+        return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
     return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
 
 
-def value_problems(a: np.ndarray, bf16_bits: bool = False) -> List[Tuple[str, str]]:
+def value_problems(a: np.ndarray, bf16_bits: bool = False, fp8_bits: bool = False) -> List[Tuple[str, str]]:
     """(check, message) pairs for one [T, H] tensor; empty when it looks like real states.
-    bf16_bits: `a` holds bfloat16 bit patterns (uint16), as as_array returns them."""
+    bf16_bits / fp8_bits: `a` holds bfloat16 (uint16) or float8_e4m3fn (uint8) bit patterns,
+    as as_array returns them. e4m3fn has no Inf: a value that was not finite is stored NaN."""
     out: List[Tuple[str, str]] = []
     if a.size == 0:
         return out
     a2 = a.reshape(a.shape[0], -1) if a.ndim > 1 else a.reshape(1, -1)
-    if bf16_bits:
-        mag = a2 & 0x7FFF  # the bits without the sign: one pass serves every check below
-        special_any = int(mag.max()) >= 0x7F80  # exponent all ones: Inf or NaN
+    if bf16_bits or fp8_bits:
+        # the bits without the sign: one pass serves every check below
+        mag = a2 & (0x7FFF if bf16_bits else 0x7F)
+        special_at = 0x7F80 if bf16_bits else 0x7F  # bf16: exponent all ones (Inf, NaN); e4m3fn: NaN
+        special_any = int(mag.max()) >= special_at
         nonzero = mag != 0
     else:
         special_any = not np.isfinite(a2.max()) or not np.isfinite(a2.min())  # NaN/Inf propagate
         nonzero = a2 != 0
     if special_any:
-        if bf16_bits:
-            special = mag >= 0x7F80
-            nan = int((mag > 0x7F80).sum())
+        if bf16_bits or fp8_bits:
+            special = mag >= special_at
+            nan = int((mag > 0x7F80).sum()) if bf16_bits else int(special.sum())
         else:
             special = ~np.isfinite(a2)
             nan = int(np.isnan(a2).sum())
