@@ -50,8 +50,8 @@ NOISE_FACTOR = 4.0
 TAIL = 0.01
 # how much of the reference's own FP8 storage error a token may carry: the server quantizes its
 # bf16 state, which rounds to the FP8 values of the reference's but near a rounding midpoint
-# (measured on tiny Llama and DeepSeek-V3 targets: the stored token's storage error at most 1.10x
-# the reference's; a right capture's worst token at 0.48 of its bound, faults at 5.8x and more)
+# (measured on tiny Llama and DeepSeek-V3 targets: the stored token's storage error at most 1.24x
+# the reference's; a right capture's worst token at 0.50 of its bound, faults at 5.6x and more)
 QUANT_FACTOR = 1.5
 _STORE = "fp8"  # how messages name the compact tier
 FLOAT_DTYPES = ("float32", "float64")
