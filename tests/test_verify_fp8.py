@@ -117,10 +117,8 @@ def _faulty(states, rid: str, fault: Optional[str]) -> Dict[str, torch.Tensor]:
 
 
 def _verify(path: str, model: str, **kw):
-    """verify --reference on every sample; index, coverage and the reference run as always.
-    sample=0: no step file decoded, as verify's file checks do not read the compact tier's
-    files yet (values.as_array knows no float8_e4m3fn)."""
-    return verify([path], reference=model, reference_samples=len(LENGTHS), jobs=1, sample=0, **kw)
+    """Every check, with --reference on every sample."""
+    return verify([path], reference=model, reference_samples=len(LENGTHS), jobs=1, **kw)
 
 
 def _reference_findings(rep) -> List[str]:
