@@ -137,7 +137,7 @@ def main() -> None:
         step = max(1, len(files) // a.files)
         rows = [measure(f) for f in files[::step][:a.files]]
     res = {"data": a.label or (a.dump and f"the lossless dump {os.path.basename(os.path.normpath(a.dump))}")
-           or "the real CPU SGLang server, tiny random DeepSeek-V3 (H=256) in bfloat16, random token ids",
+           or "the real CPU SGLang server (it computes in float32), tiny random DeepSeek-V3 (H=256), random token ids",
            "machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "torch": torch.__version__, "note": __doc__.split("\n\n")[1].replace("\n", " "), **summarize(rows)}
     print(json.dumps(res, indent=1))
