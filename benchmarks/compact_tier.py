@@ -10,7 +10,7 @@ on the device). The relative error per token of the fp8 states is given too.
 
 Data: a lossless dump given with --dump (a GPU server's, e.g. benchmarks/gpu/purpose.py's
 trained target), or, without it, the real CPU SGLang server on the tests' tiny random
-DeepSeek-V3 (6 layers, H=256) in bfloat16, fed random token ids.
+DeepSeek-V3 (6 layers, H=256; the CPU server computes in float32), fed random token ids.
 
 usage: python benchmarks/compact_tier.py [--dump DIR] [--files N] [--out FILE]
 """

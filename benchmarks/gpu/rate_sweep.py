@@ -127,33 +127,19 @@ def post(url: str, ids: List[int], rid: str, mark: bool) -> dict:
         return json.loads(r.read()).get("meta_info", {})
 
 
-def send_texts(url: str, path: str, tag: str, fraction: float, concurrency: int = 64) -> dict:
-    """`hscap send`'s load (one new token per text, `concurrency` in flight) from a plain client,
-    marking `fraction` of the texts for capture; rids are unique per round."""
-    rows = read_jsonl(path)
-    work: "queue.Queue[dict]" = queue.Queue()
-    for row in rows:
-        work.put(row)
-    totals = {"requests": 0, "tokens": 0, "failed": 0, "marked": 0}
-    lock = threading.Lock()
+def run_pool(items: list, job, concurrency: int) -> float:
+    """job(item) for every item, on `concurrency` threads; returns the wall time."""
+    work: "queue.Queue" = queue.Queue()
+    for x in items:
+        work.put(x)
 
     def worker() -> None:
         while True:
             try:
-                row = work.get_nowait()
+                x = work.get_nowait()
             except queue.Empty:
                 return
-            rid = f"{tag}-{row['id']}"
-            mark = marked(rid, fraction)
-            try:
-                post(url, row["input_ids"], rid, mark)
-                with lock:
-                    totals["requests"] += 1
-                    totals["tokens"] += len(row["input_ids"])
-                    totals["marked"] += int(mark)
-            except Exception:
-                with lock:
-                    totals["failed"] += 1
+            job(x)
 
     t0 = time.monotonic()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -161,7 +147,29 @@ def send_texts(url: str, path: str, tag: str, fraction: float, concurrency: int 
         t.start()
     for t in threads:
         t.join()
-    wall = time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+def send_texts(url: str, path: str, tag: str, fraction: float, concurrency: int = 64) -> dict:
+    """`hscap send`'s load (one new token per text, `concurrency` in flight) from a plain client,
+    marking `fraction` of the texts for capture; rids are unique per round."""
+    totals = {"requests": 0, "tokens": 0, "failed": 0, "marked": 0}
+    lock = threading.Lock()
+
+    def one(row: dict) -> None:
+        rid = f"{tag}-{row['id']}"
+        mark = marked(rid, fraction)
+        try:
+            post(url, row["input_ids"], rid, mark)
+            with lock:
+                totals["requests"] += 1
+                totals["tokens"] += len(row["input_ids"])
+                totals["marked"] += int(mark)
+        except Exception:
+            with lock:
+                totals["failed"] += 1
+
+    wall = run_pool(read_jsonl(path), one, concurrency)
     return {"tokens_per_s": round(totals["tokens"] / wall, 1), "wall_s": round(wall, 2), **totals}
 
 
@@ -176,41 +184,27 @@ def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str =
     with open(os.path.join(data, "chat.json")) as f:
         doc = json.load(f)
     convs = doc["conversations"][:CHAT_CONCURRENCY] if warm else doc["conversations"][CHAT_CONCURRENCY:]
-    work: "queue.Queue[int]" = queue.Queue()
-    for i in range(len(convs)):
-        work.put(i)
     totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "failed": 0}
     lock = threading.Lock()
 
-    def worker() -> None:
-        while True:
+    def conversation(i: int) -> None:
+        c = convs[i]
+        prompt = list(doc["systems"][c["system"]])
+        for t in range(CHAT_TURNS):
+            prompt += c["messages"][2 * t]
+            rid = f"chat{tag}-{'w' if warm else ''}{i}-{t}"
             try:
-                i = work.get_nowait()
-            except queue.Empty:
-                return
-            c = convs[i]
-            prompt = list(doc["systems"][c["system"]])
-            for t in range(CHAT_TURNS):
-                prompt += c["messages"][2 * t]
-                rid = f"chat{tag}-{'w' if warm else ''}{i}-{t}"
-                try:
-                    meta = post(url, prompt, rid, marked(rid, fraction))
-                    with lock:
-                        totals["requests"] += 1
-                        totals["prompt_tokens"] += len(prompt)
-                        totals["cached_tokens"] += int(meta.get("cached_tokens") or 0)
-                except Exception:
-                    with lock:
-                        totals["failed"] += 1
-                prompt += c["messages"][2 * t + 1]  # the assistant's answer, as the next turn sends it
+                meta = post(url, prompt, rid, marked(rid, fraction))
+                with lock:
+                    totals["requests"] += 1
+                    totals["prompt_tokens"] += len(prompt)
+                    totals["cached_tokens"] += int(meta.get("cached_tokens") or 0)
+            except Exception:
+                with lock:
+                    totals["failed"] += 1
+            prompt += c["messages"][2 * t + 1]  # the assistant's answer, as the next turn sends it
 
-    t0 = time.monotonic()
-    threads = [threading.Thread(target=worker) for _ in range(CHAT_CONCURRENCY)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.monotonic() - t0
+    wall = run_pool(list(range(len(convs))), conversation, CHAT_CONCURRENCY)
     return {"tokens_per_s": round(totals["prompt_tokens"] / wall, 1), "requests_per_s": round(totals["requests"] / wall, 1),
             "computed_tokens_per_s": round((totals["prompt_tokens"] - totals["cached_tokens"]) / wall, 1),
             "wall_s": round(wall, 2), **totals}
