@@ -319,9 +319,21 @@ class Run:
             settings = json.load(f)
         return {"written": doc.get("written", doc.get("stats")), "trainer_settings": settings}
 
-    def data_step(self) -> dict:
+    def controls(self, makers: Dict[str, object]) -> int:
+        """Each control's SpecForge files (sf-<tag>), made from the train files; returns how many."""
         import torch
 
+        for tag in makers:
+            os.makedirs(os.path.join(self.work, f"sf-{tag}"), exist_ok=True)
+        n = 0
+        for path in glob.glob(os.path.join(self.work, "sf-train", "**", "*.ckpt"), recursive=True):
+            d = torch.load(path)
+            for tag, make in makers.items():
+                torch.save(make(d), os.path.join(self.work, f"sf-{tag}", os.path.basename(path)))
+            n += 1
+        return n
+
+    def data_step(self) -> dict:
         sf = lambda n: os.path.join(self.work, f"sf-{n}")  # noqa: E731
         out = {"train": self.merge(os.path.join(self.work, "dump-on"), sf("train"), os.path.join(self.data, "train.jsonl")),
                "heldout": self.merge(os.path.join(self.work, "dump-on"), sf("heldout"),
@@ -331,14 +343,7 @@ class Run:
         # the controls, from the train files: every state one token late (a position off by
         # one), and the layers concatenated in another order (5,2,3 for 2,3,5)
         hidden = int(json.load(open(os.path.join(self.model, "text_model", "config.json")))["hidden_size"])
-        for tag in ("shifted", "permuted"):
-            os.makedirs(sf(tag), exist_ok=True)
-        n = 0
-        for path in glob.glob(os.path.join(sf("train"), "**", "*.ckpt"), recursive=True):
-            d = torch.load(path)
-            torch.save(shift_one_token(d), os.path.join(sf("shifted"), os.path.basename(path)))
-            torch.save(rotate_layers(d, hidden), os.path.join(sf("permuted"), os.path.basename(path)))
-            n += 1
+        n = self.controls({"shifted": shift_one_token, "permuted": lambda d: rotate_layers(d, hidden)})
         out["shifted"] = out["permuted"] = {"written": n}
         sp = os.path.join(self.data, "sp")
         if os.path.isdir(sp):
@@ -488,11 +493,7 @@ output_dir: {out_dir}
         out = {"train": self.merge(os.path.join(self.work, "dump-on"), sf("train"), train),
                "heldout": self.merge(os.path.join(self.work, "dump-on"), sf("heldout"), held),
                "train_fp8": self.merge(os.path.join(self.work, "dump-on_fp8"), sf("train-fp8"), train)}
-        import torch
-
-        os.makedirs(sf("shifted"), exist_ok=True)
-        for path in glob.glob(os.path.join(sf("train"), "**", "*.ckpt"), recursive=True):
-            torch.save(shift_one_token(torch.load(path)), os.path.join(sf("shifted"), os.path.basename(path)))
+        out["shifted"] = {"written": self.controls({"shifted": shift_one_token})}
         out["bytes"] = {k: writer_figures(os.path.join(self.work, f"dump-{k}")) for k in ("on", "on_fp8")}
         return out
 

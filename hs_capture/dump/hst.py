@@ -167,8 +167,9 @@ def encode_file(
             entries[t.name]["quant"] = {"scheme": _quant.SCHEME, "scale": t.scale}
         payloads += chunks
         offset += size
-    _check_quant({n: _entry(n, e) for n, e in entries.items()})
     quantized = any("quant" in e for e in entries.values())
+    if quantized:  # the rules a reader holds it to (read_header), before any byte is written
+        _check_quant({n: _entry(n, e) for n, e in entries.items()})
     header = {
         "__format__": {"version": 2 if quantized else 1},  # an older reader reads what it can
         "__metadata__": {str(k): str(v) for k, v in metadata.items()},
@@ -237,12 +238,11 @@ def read_tensors(f: BinaryIO, header: "Header") -> Dict[str, "object"]:
     its crc32; a quantized state dequantized to bfloat16 (quant.py), its scale tensor folded in."""
     out = {name: to_torch(read_tensor_bytes(f, header, name), e.dtype, e.shape)
            for name, e in header.tensors.items()}
-    for name, e in header.tensors.items():
-        if e.scale:
-            out[name] = _quant.dequantize(out[name], out[e.scale])
-    for e in header.tensors.values():
-        if e.scale:
-            out.pop(e.scale, None)
+    scales = {name: e.scale for name, e in header.tensors.items() if e.scale}
+    for name, scale in scales.items():
+        out[name] = _quant.dequantize(out[name], out[scale])
+    for scale in set(scales.values()):
+        del out[scale]
     return out
 
 

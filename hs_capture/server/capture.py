@@ -285,7 +285,7 @@ def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["reque
         log.warning("WARNING: SGLang's request class is not hooked here: every request is captured and "
                     "captured requests share the radix cache")
     policy = picker.policy.describe() if picker is not None else "every request"
-    own = picker is not None and picker.namespaces
+    own = requests_mod.namespacing()
     log.info("capture policy: %s; %s", policy, "radix cache off" if not radix else (
         "radix cache on: each captured request gets a cache namespace of its own (prefilled whole), the rest "
         "keep their prefix reuse" if own else "radix cache on and shared by captured requests"))
@@ -355,10 +355,8 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "writer_threads": cfg.writer_threads,
             "writer": cfg.writer,
             "on_full": cfg.on_full,
-            # namespaced exactly when the picker does it: the request class hooked, the cache on
             "capture_policy": cfg.policy.as_meta(flags.get("disable_radix_cache") is False,
-                                                 cfg.policy.own_namespace and flags.get("disable_radix_cache") is False
-                                                 and requests_mod.is_hooked()),
+                                                 requests_mod.namespacing()),
         },
     )
 

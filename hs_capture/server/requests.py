@@ -85,6 +85,13 @@ def is_hooked() -> bool:
     return _hooked
 
 
+def namespacing() -> bool:
+    """Each captured request gets a cache namespace of its own here: the request class is
+    hooked, the radix cache on and the policy asks for it (what the run metadata records)."""
+    p = picker() if is_hooked() else None
+    return p is not None and p.namespaces
+
+
 def picker() -> Optional[RequestPicker]:
     """This process's picker, made on first use from the settings and the server's flags;
     None when capture is off here."""

@@ -15,7 +15,7 @@ from hs_capture.dump.paths import FINAL, PRENORM, part_name
 from hs_capture.dump.schema import IndexLine, SeqEntry, step_line
 from hs_capture.dump.hst import dtype_name
 from hs_capture.dump import quant
-from hs_capture.server.step_files import SCALE
+from hs_capture.server.step_files import INPUT_PARTS, SCALE
 
 
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
@@ -108,7 +108,7 @@ def compact(line: IndexLine, tensors: Dict[str, torch.Tensor], aux_layers: List[
     aux is cut into its layers' parts on the way (the quantized tensors are new memory)."""
     out: Dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if name in ("tokens", "positions"):
+        if name in INPUT_PARTS:
             out[name] = t
         elif name == "aux":
             for j, layer in enumerate(aux_layers):
