@@ -58,6 +58,7 @@ def test_the_dump_says_it_is_fp8(fp8_dump):
 def test_every_sample_is_transformers_within_the_fp8_rounding(fp8_dump, tiny_model):
     ds = DumpDataset(fp8_dump["dir"], fp8_dump["data"], keys="hscap")
     assert ds.rids == [r["id"] for r in fp8_dump["rows"]]
+    assert ds.plan.itemsize == 2  # decoding is sized by what is read: bfloat16, not the stored byte
     h = None
     for i, row in enumerate(fp8_dump["rows"]):
         item = ds[i]

@@ -14,7 +14,11 @@ Torch is imported by the functions that need it, so the file format stays import
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 SCHEME = "fp8_e4m3"  # what a .hst entry's "quant" names; the run metadata's "store"
 STORED_DTYPE = "float8_e4m3fn"
@@ -30,7 +34,12 @@ _ROWS = 8192  # rows quantized at a time: bounds the temporary bfloat16 copy on 
 COARSE_BELOW = 64.0
 
 
-def quantize(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:  # noqa: F821
+def read_dtype(stored: str) -> str:
+    """The dtype readers hand out a state stored as `stored` in (what decoding sizes follow)."""
+    return DEQUANT_DTYPE if stored == STORED_DTYPE else stored
+
+
+def quantize(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:
     """x [T, H] (any float dtype, on any device) -> (q [T, H] float8_e4m3fn, scale [T] float32).
     Runs on x's device and stream. A row that is all zeros gets scale 1; a row holding NaN or
     Inf comes back NaN (verify's non-finite check still sees it)."""
@@ -56,14 +65,14 @@ def quantize(x: "torch.Tensor") -> Tuple["torch.Tensor", "torch.Tensor"]:  # noq
     return q, scale
 
 
-def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":  # noqa: F821
+def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     """q [T, H] float8_e4m3fn, scale [T] float32 -> [T, H] bfloat16 (exact: see the module)."""
     import torch
 
     return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
 
 
-def rel_error(x: "np.ndarray") -> "np.ndarray":  # noqa: F821
+def rel_error(x: "np.ndarray") -> "np.ndarray":
     """Per token (row of x [T, H], float32 numpy), the relative L2 error of storing x in this
     scheme and reading it back: what verify allows on top of the server's own rounding."""
     import numpy as np

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from hs_capture.dump import hst
+from hs_capture.dump import hst, quant
 from hs_capture.offline.workers import procs
 from hs_capture.offline.read.attribution import warmups
 from hs_capture.offline.read.coverage import Span, whole_chain
@@ -54,7 +54,7 @@ class Plan:
     extras: Dict[str, List[Piece]] = field(default_factory=dict)  # rid -> pieces captured again, not used
     # without a dataset: rid -> why it is not a user's sample (SGLang's warmup; attribution.py)
     left_out: Dict[str, str] = field(default_factory=dict)
-    itemsize: int = 2  # bytes of one stored state value (the widest dtype the index lines name)
+    itemsize: int = 2  # bytes of one state value as read (the widest dtype the index lines name, fp8 read as bf16)
 
 
 def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
@@ -106,7 +106,7 @@ class Captured:
                                 self.dropped.setdefault(s.rid, line.step)
                         continue
                     files = self._intact(i, run, tag, line)
-                    self.itemsize = max(self.itemsize, ITEMSIZE.get(line.dtype, 0))
+                    self.itemsize = max(self.itemsize, ITEMSIZE.get(quant.read_dtype(line.dtype), 0))
                     for s in line.seqs:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
