@@ -192,14 +192,14 @@ def _batch(mode="EXTEND", tokens=3):
         extend_prefix_lens_cpu=[0], rids=["r"], input_ids=torch.arange(tokens), positions=torch.arange(tokens))
 
 
-def _capture(host_layers=(), host_flag=False):
+def _capture(host_layers=(), host_flag=False, store="lossless"):
     from hs_capture.server.capture import ModelCapture
 
     parent, model = torch.nn.Module(), torch.nn.Module()  # weak-referenceable, like the real ones
     parent.capture_aux_hidden_states = host_flag
     model.layers_to_capture = list(host_layers)
     writer = _Writer()
-    state = ModelCapture([1, 3], sorted(host_layers), 4, writer, parent)
+    state = ModelCapture([1, 3], sorted(host_layers), 4, writer, parent, store=store)
     state.layers_for(model, capturing=True)
     parent.capture_aux_hidden_states = True  # what setup_model does
     return state, model, parent, writer
@@ -211,6 +211,17 @@ def test_plain_server_gets_a_bare_aux_none_and_we_get_our_layers():
     assert isinstance(out, tuple) and out[1] is None and torch.equal(out[0], torch.full((3, 4), -1.0))
     meta, tensors, aux_layers = writer.steps[0]
     assert aux_layers == [1, 3] and tensors["aux"][0].tolist() == [1.0] * 4 + [3.0] * 4
+
+
+def test_the_compact_tier_hands_the_writer_fp8_states_and_their_scales():
+    state, model, parent, writer = _capture(store="fp8")
+    out = state.forward(_sglang_like_forward(model), model, (None, None, _batch()), {})
+    assert torch.equal(out[0], torch.full((3, 4), -1.0))  # the forward's own output untouched
+    meta, tensors, aux_layers = writer.steps[0]
+    assert meta.dtype == "float8_e4m3fn" and aux_layers == []  # aux cut into its layers on the way
+    assert {k for k, t in tensors.items() if t.dtype == torch.float8_e4m3fn} == {"L01", "L03", "final"}
+    assert tensors["L03"].float().mul(tensors["L03#scale"][:, None]).tolist() == [[3.0] * 4] * 3
+    assert writer.cost.seconds["quantize"] > 0  # the forward's time on it, reported by cause
 
 
 def test_decode_steps_capture_nothing_and_cost_no_aux():

@@ -50,8 +50,9 @@ class ModelCapture:
     as `_hscap_state`."""
 
     def __init__(self, layers: List[int], host_layers: List[int], hidden_size: int,
-                 writer: Optional[ShardWriter], parent: Any, select: str = LIST) -> None:
+                 writer: Optional[ShardWriter], parent: Any, select: str = LIST, store: str = "lossless") -> None:
         self.layers = layers
+        self.store = store  # "fp8": each step's states go to the compact tier on the device
         self.layer_flags = select == LAYER_FLAGS
         self.host_layers = host_layers  # what SGLang itself asked for (EAGLE-3, DFlash)
         self.host_flag = bool(getattr(parent, "capture_aux_hidden_states", False))
@@ -178,7 +179,7 @@ class ModelCapture:
         line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre,
                                               keep)
         self.writer.cost.add("step_line", time.perf_counter() - t0)
-        if self.writer.cfg.store == "fp8":
+        if self.store == "fp8":
             t0 = time.perf_counter()
             line, tensors, aux_layers = compact(line, tensors, aux_layers, self.hidden_size)
             self.writer.cost.add("quantize", time.perf_counter() - t0)
@@ -252,7 +253,7 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
         writer.prewarm()
         _install_shutdown(cfg.flush_timeout_s)
     state = ModelCapture(layers, sorted(model.layers_to_capture), int(hf_config.hidden_size), writer, causal_lm,
-                         target.select if target is not None else LIST)
+                         target.select if target is not None else LIST, cfg.store)
     if cfg.prenorm and writer is not None:
         state.hook_prenorm(model.norm)
     if writer is not None:
