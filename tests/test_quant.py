@@ -64,16 +64,32 @@ def test_zero_rows_and_non_finite_rows():
     q, s = quant.quantize(x)
     back = quant.dequantize(q, s).float()
     assert s[0] == 1 and torch.equal(back[0], torch.zeros_like(back[0]))
-    assert back[1].isnan().all() and back[2].isnan().any()  # verify's non-finite check still sees them
+    assert back[1].isnan().all() and back[2].isnan().all()  # verify's non-finite check still sees them
     assert torch.isfinite(back[3]).all()
 
 
 def test_quantizing_is_chunked_the_same_as_whole(monkeypatch):
     x = states(rows=50)
     whole = quant.quantize(x)
-    monkeypatch.setattr(quant, "_ROWS", 7)
+    monkeypatch.setattr(quant, "_ELEMS", 7 * x.shape[1])
     parts = quant.quantize(x)
     assert torch.equal(whole[0].view(torch.uint8), parts[0].view(torch.uint8)) and torch.equal(whole[1], parts[1])
+
+
+def same(a, b):
+    return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("bound", [None, 40 * 32])  # together in one pass; apart (over the bound)
+def test_a_steps_states_quantized_together_as_each_alone(monkeypatch, bound):
+    packed = torch.cat([states(rows=20, hidden=32, seed=i) for i in (1, 2, 3)], dim=1)  # SGLang's packed aux
+    parts = [packed[:, 0:32], packed[:, 64:96], states(rows=20, hidden=32, seed=4)]  # strided blocks, a state
+    alone = [quant.quantize(p.contiguous()) for p in parts]
+    if bound:
+        monkeypatch.setattr(quant, "_ELEMS", bound)
+    together = quant.quantize_parts(parts)
+    assert len(together) == 3 and all(same(a, b) for a, b in zip(alone, together))
+    assert all(q.shape == (20, 32) and s.shape == (20,) for q, s in together)
 
 
 def compact_file(rows=33, hidden=64):

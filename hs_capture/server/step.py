@@ -107,13 +107,15 @@ def compact(line: IndexLine, tensors: Dict[str, torch.Tensor], aux_layers: List[
     shrink). Each state `name` becomes FP8 `name` and its scale `name#scale`; SGLang's packed
     aux is cut into its layers' parts on the way (the quantized tensors are new memory)."""
     out: Dict[str, torch.Tensor] = {}
+    states: Dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name in INPUT_PARTS:
             out[name] = t
         elif name == "aux":
             for j, layer in enumerate(aux_layers):
-                part = part_name(layer)
-                out[part], out[part + SCALE] = quant.quantize(t[:, j * hidden_size:(j + 1) * hidden_size])
+                states[part_name(layer)] = t[:, j * hidden_size:(j + 1) * hidden_size]
         else:
-            out[name], out[name + SCALE] = quant.quantize(t)
+            states[name] = t
+    for name, (q, scale) in zip(states, quant.quantize_parts(list(states.values()))):
+        out[name], out[name + SCALE] = q, scale
     return replace(line, dtype=quant.STORED_DTYPE), out, []
