@@ -92,6 +92,19 @@ def test_a_steps_states_quantized_together_as_each_alone(monkeypatch, bound):
     assert all(q.shape == (20, 32) and s.shape == (20,) for q, s in together)
 
 
+def test_on_grid_tells_fp8_states_read_back_from_lossless_ones():
+    x = states(rows=40, hidden=128)
+    back = quant.dequantize(*quant.quantize(x)).float().numpy()
+    assert quant.on_grid(back)
+    assert not quant.on_grid(x.float().numpy())  # bf16 values: most carry more than 3 mantissa bits
+    back[3, 5] = np.nextafter(back[3, 5], np.float32(np.inf), dtype=np.float32)  # one value off the grid
+    assert not quant.on_grid(back)
+    assert not quant.on_grid(np.zeros((4, 128), np.float32))  # nothing to tell by
+    nan = quant.dequantize(*quant.quantize(x)).float().numpy()
+    nan[2, 1] = np.nan  # a non-finite row is verify's other check's; the rest still tells
+    assert quant.on_grid(nan)
+
+
 def compact_file(rows=33, hidden=64):
     x = states(rows, hidden)
     q, s = quant.quantize(x)

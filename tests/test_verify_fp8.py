@@ -198,11 +198,34 @@ def test_a_merged_output_of_an_fp8_dump_says_so_and_is_judged_by_the_fp8_rule(ta
     assert rep.stats["merge_reports"][0]["stored_as"] == quant.SCHEME
     assert all(st["worst_vs_bound"] < 0.7 and st["quant_median_rel"] > 0.015
                for st in rep.stats["reference_states"].values()), rep.stats["reference_states"]
-    # the record is what decides: without it the merged FP8 values fail the bf16 rule
+    # the values tell, not the record: without it (a report lost, or an older release's) the
+    # merged states are still exact FP8 values, judged by the fp8 rule
     _as_bf16(rep_path)
     rep = _verify(out, target["model"])
-    assert not rep.ok and rep.stats["reference_dtypes"] == ["bfloat16"]
-    assert not any("fp8" in f for f in _reference_findings(rep))
+    assert rep.findings == [] and rep.stats["reference_dtypes"] == [quant.STORED_DTYPE]
+
+
+def test_a_merge_of_an_fp8_and_a_lossless_dump_is_judged_sample_by_sample(target, tmp_path):
+    """The report says fp8 (one source was); the lossless samples still get the bf16 rule."""
+    fp8 = {r: target["ids"][r] for r in ("s0", "s1", "s2")}
+    lossless = {r: target["ids"][r] for r in ("s3", "s4")}
+    d1 = write_dump(str(tmp_path / "fp8"), target["states"], fp8)
+    d2 = write_dump(str(tmp_path / "lossless"), target["states"], lossless, store="lossless")
+    out = str(tmp_path / "merged")
+    merge([d1, d2], out, "hscap")
+    rep = _verify(out, target["model"])
+    assert rep.findings == [], [f.line() for f in rep.findings]
+    assert sorted(rep.stats["reference_dtypes"]) == ["bfloat16", quant.STORED_DTYPE]
+    from hs_capture.offline.verify import _merged_dtype
+    from hs_capture.offline.verify.merged import discover, load_item
+    from hs_capture.offline.verify.report import Report
+
+    items, _ = discover(out, Report([out]), None)
+    for it in items:
+        s = load_item(it, {})
+        want = quant.STORED_DTYPE if s.rid in fp8 else "bfloat16"
+        layers = list(torch.from_numpy(s.aux).split(s.hidden_size, dim=1))  # a scale per token and layer
+        assert _merged_dtype(s.dtype, [*[t.numpy() for t in layers], s.final, s.prenorm]) == want, s.rid
 
 
 def test_a_merged_output_of_a_wrong_fp8_dump_fails(target, tmp_path):

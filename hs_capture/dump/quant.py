@@ -90,6 +90,24 @@ def dequantize(q: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
     return (q.to(torch.float32) * scale[:, None]).to(torch.bfloat16)
 
 
+def on_grid(x: "np.ndarray") -> bool:
+    """Whether every finite row of x [T, H] (float32 copies of what a reader handed out) is
+    exactly a stored FP8 row dequantized, as states read from the compact tier are (quantizing
+    gives them back unchanged). A lossless bf16 state is not: most of its values carry more
+    than 3 mantissa bits. False when no row is finite and nonzero (nothing to tell by)."""
+    import numpy as np
+    import torch
+
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        return False
+    x = x[np.isfinite(x).all(axis=1) & (x != 0).any(axis=1)]
+    if not len(x):
+        return False
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return bool(torch.equal(dequantize(*quantize(t)).float(), t))
+
+
 def rel_error(x: "np.ndarray") -> "np.ndarray":
     """Per token (row of x [T, H], float32 numpy), the relative L2 error of storing x in this
     scheme and reading it back: what verify allows on top of the server's own rounding."""

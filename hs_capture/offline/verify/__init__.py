@@ -87,7 +87,6 @@ def _stored_dtype(pieces, read: str) -> str:
 
 def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k: int, rng: random.Random,
                     report: Report):
-    from hs_capture.dump import quant
     from hs_capture.offline.verify.merged import load_item
     from hs_capture.offline.verify.reference import Stored
 
@@ -110,7 +109,16 @@ def _merged_samples(merged: Sequence[str], items, layers: Optional[List[int]], k
             report.add("reference", f"aux holds {s.aux.shape[1] // h} layers, --layers names {len(layers)}",
                        path=it.path, rid=s.rid)
             continue
-        # merged from the compact tier (merge_report.json's stored_as): the values carry its rounding
-        yield Stored(s.rid or it.path, it.path, s.input_ids,
-                     {layer: s.aux[:, j * h:(j + 1) * h] for j, layer in enumerate(sorted(layers))},
-                     s.final, s.prenorm, quant.STORED_DTYPE if it.stored_as == quant.SCHEME else s.dtype)
+        states = {layer: s.aux[:, j * h:(j + 1) * h] for j, layer in enumerate(sorted(layers))}
+        yield Stored(s.rid or it.path, it.path, s.input_ids, states, s.final, s.prenorm,
+                     _merged_dtype(s.dtype, [*states.values(), s.final, s.prenorm]))
+
+
+def _merged_dtype(read: str, states) -> str:
+    """What a merged sample's states were stored as in the dump, told by their values: the
+    compact tier's are all exact FP8 values dequantized (whatever merge_report.json says, so
+    a merge of fp8 and lossless dumps, or one without its report, is judged sample by sample)."""
+    from hs_capture.dump import quant
+
+    present = [x for x in states if x is not None]
+    return quant.STORED_DTYPE if present and all(quant.on_grid(x) for x in present) else read

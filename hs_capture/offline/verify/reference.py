@@ -23,8 +23,8 @@ Another batch's states, a shifted row or a wrong layer are off by far more than 
 bound, on more tokens than the tail; a right capture by about what the reference is (the
 margins both ways: benchmarks/README.md, reference_rule.py).
 
-A dump in the compact tier (FP8 e4m3, dump/quant.py; a merged output whose merge_report.json
-says "stored_as": "fp8_e4m3") holds states the server computed in bfloat16 and then
+A dump in the compact tier (FP8 e4m3, dump/quant.py; a merged sample whose states are exact
+FP8 values, quant.on_grid) holds states the server computed in bfloat16 and then
 quantized: each token's bound (the pairing's and the tail's) is the bf16 rule's plus
 QUANT_FACTOR x that token's storage error, measured by quantizing transformers' float32 state
 itself (quant.rel_error). Both errors are of the token's own values: the server's state
