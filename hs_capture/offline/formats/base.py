@@ -42,9 +42,6 @@ class SampleRef:
     row: Optional[int] = None
     key: Optional[str] = None  # the sample's name inside a file of many (native: its row)
     hidden_size: Optional[int] = None  # what the merge recorded; the reader checks the states against it
-    # what the merge recorded its source stored states as (merge_report.json's stored_as: the
-    # compact tier's quant.SCHEME), None for lossless: verify --reference's rule follows it
-    stored_as: Optional[str] = None
 
 
 class ListingError(ValueError):

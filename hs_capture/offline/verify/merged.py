@@ -3,8 +3,7 @@ its format's keys, dtypes and shapes, token ids equal to the dataset, and sane v
 
 Each format finds its own samples and reads them back (hs_capture.offline.formats: the native
 format through its index.json, the others by their file names); merge_report.json, when
-there, says which samples merge left out and why, the hidden size the readers check, and
-(stored_as) whether the states came from the compact tier (FP8: --reference allows its error).
+there, says which samples merge left out and why and the hidden size the readers check.
 Torch files are opened with weights_only=True: nothing read is ever unpickled as code."""
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ def is_merged(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MERGE_REPORT)) or any(f.marks(path) for f in FORMATS.values())
 
 
-def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[int], Optional[str]]:
+def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[int]]:
     """From merge_report.json, when there: rid -> reason for samples merge reported
-    incomplete, the hidden size it recorded, and what its source stored the states as (the
-    compact tier's scheme, or None: lossless)."""
+    incomplete, and the hidden size it recorded."""
     rpath = os.path.join(root, MERGE_REPORT)
     if not os.path.isfile(rpath):
-        return {}, None, None
+        return {}, None
     try:
         with open(rpath) as f:
             rep = json.load(f)
@@ -46,16 +44,14 @@ def _merge_report(root: str, report: Report) -> Tuple[Dict[str, str], Optional[i
         report.stats.setdefault("merge_reports", []).append({k: rep.get(k) for k in keys})
     except (OSError, ValueError, AttributeError) as e:
         report.add("samples", f"merge report unreadable: {e}", path=rpath)
-        return {}, None, None
+        return {}, None
     hidden = rep.get("hidden_size")
-    stored_as = rep.get("stored_as")
-    return (incomplete, hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None,
-            stored_as if isinstance(stored_as, str) else None)
+    return incomplete, hidden if isinstance(hidden, int) and not isinstance(hidden, bool) else None
 
 
 def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[List[Item], Dict[str, str]]:
     """Items under a merged dir, and rid -> reason for samples merge reported incomplete."""
-    incomplete, hidden, stored_as = _merge_report(root, report)
+    incomplete, hidden = _merge_report(root, report)
     files: List[str] = []
     for dirpath, dirs, names in os.walk(root):
         dirs.sort()
@@ -73,8 +69,8 @@ def discover(root: str, report: Report, order: Optional[List[str]]) -> Tuple[Lis
             report.add("samples", e.reason, path=e.path)
             continue
         # the readers check the states' width against the hidden size the merge recorded
-        found = [replace(r, hidden_size=hidden) if r.hidden_size is None and hidden is not None else r for r in found]
-        items += [replace(r, stored_as=stored_as) if stored_as else r for r in found]
+        items += [replace(r, hidden_size=hidden) if r.hidden_size is None and hidden is not None else r
+                  for r in found]
     return items, incomplete
 
 
