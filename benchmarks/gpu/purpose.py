@@ -669,7 +669,8 @@ def main() -> None:
         # verify's bf16 rule measured on the `on` dump: the server and transformers' eager forward
         "rule": lambda: r.rule(),
         # the compact tier: the same capture stored fp8, drafters trained from both, served
-        "on_fp8": lambda: r.serve("on_fp8", os.path.join(r.work, "dump-on_fp8"), RIGHT, prenorm=True, store="fp8"),
+        "on_fp8": lambda: r.serve("on_fp8", os.path.join(r.work, "dump-on_fp8"), RIGHT, prenorm=True, store="fp8",
+                                  generate=False),
         "verify_fp8": lambda: r.verify("on_fp8"),
         "compact_data": r.compact_data,
         "compact_bytes": r.compact_bytes,
