@@ -7,6 +7,8 @@ where the forward left it, stored FP8 with one scale per token, handed to traine
   quantizing transformers' own states gives (the server's float32 forward adds ~nothing).
 - merge's native output and DumpDataset hand out the same bfloat16 values.
 - The files take less than half of what the bfloat16 states would.
+- `hscap verify --reference` passes the dump by the fp8 rule; its states taken from another
+  sample, one row late or from another layer fail it.
 The pure logic (scales, bounds, the file's rules): tests/test_quant.py.
 """
 
@@ -104,3 +106,44 @@ def test_the_states_take_less_than_half_of_bfloat16(fp8_dump):
     states = len(LAYERS) + 2
     ids_and_positions = 16 * tokens  # int64 each, stored beside the final state
     assert (stored - ids_and_positions) < 0.5 * tokens * states * h * 2
+
+
+def test_verify_reference_passes_the_dump_and_fails_wrong_states_in_it(fp8_dump, tiny_model):
+    """`hscap verify --reference` on the server's own fp8 dump passes by the fp8 rule; the same
+    dump's states taken from another sample, one row late or from another layer fail it."""
+    from hs_capture.offline.read.assemble import Assembler
+    from hs_capture.offline.read.planning import plan
+    from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, compare
+    from hs_capture.offline.verify.report import Report
+    from tests.test_verify import verify
+
+    code, doc = verify(fp8_dump["dir"], "--dataset", fp8_dump["data"], "--reference", tiny_model,
+                       "--reference-samples", "6")
+    assert code == 0, doc["findings"]
+    assert doc["stats"]["reference_dtypes"] == [quant.STORED_DTYPE]
+    assert all(s["worst_vs_bound"] < 1 and s["quant_median_rel"] > 0.015
+               for s in doc["stats"]["reference_states"].values()), doc["stats"]["reference_states"]
+
+    p = plan([fp8_dump["dir"]])
+    asm = Assembler(p)
+
+    def stored(rid, change=None):
+        s = asm.sample(rid)
+        layers = {k: v.float().numpy() for k, v in s.layers.items()}
+        return Stored(rid, None, s.input_ids.numpy(), {**layers, **(change or {})}, s.final.float().numpy(), None,
+                      quant.STORED_DTYPE)
+
+    def judged(sample):
+        rep = Report(["x"])
+        compare(rep, Reference(tiny_model), [sample], Tolerance())
+        return [f.message for f in rep.findings if f.check == "reference"]
+
+    a, b = stored("c2"), stored("c3")  # 130 and 260 tokens
+    n = a.input_ids.size
+    assert judged(a) == []
+    bad = {"another sample's": stored("c2", {k: b.layers[k][:n] for k in LAYERS}),
+           "one row late": stored("c2", {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}),
+           "another layer's": stored("c2", {3: a.layers[5]})}
+    for what, sample in bad.items():
+        found = judged(sample)
+        assert found and all("plus the fp8 storage error" in m for m in found), (what, found)
