@@ -14,14 +14,21 @@ import time
 import pytest
 
 from hs_capture.offline.merge.output_dir import MANIFEST
+from tests.sglang_cpu.harness import SHIMS
 from tests.test_merge import files_of
 
 HSCAP = os.path.join(os.path.dirname(sys.executable), "hscap")  # the console script, as users run it
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(*args: str, env=None) -> subprocess.Popen:
     return subprocess.Popen([HSCAP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
+
+
+# each merged file 150 ms longer (tests/sglang_cpu/shims): on a fast machine a warm merge of the
+# small dump ends within the few ms between its manifest and a Ctrl-C
+SLOW_MERGE = {**os.environ, "PYTHONPATH": os.pathsep.join([SHIMS, os.environ.get("PYTHONPATH", "")]),
+              "HSCAP_TEST_SLOW_MERGE_MS": "150"}
 
 
 def live_members(group: int) -> list:
@@ -53,7 +60,7 @@ def test_ctrl_c_in_merge_keeps_whole_files_says_a_rerun_resumes_and_the_rerun_co
                 "-j", jobs)
 
     clean = str(tmp_path / "clean")
-    p = start(*merge(clean))
+    p = start(*merge(clean), env=SLOW_MERGE)
     wait_for(os.path.join(clean, MANIFEST), p)
     t0 = time.monotonic()
     _, err = p.communicate(timeout=600)
@@ -62,7 +69,7 @@ def test_ctrl_c_in_merge_keeps_whole_files_says_a_rerun_resumes_and_the_rerun_co
     interrupted = 0
     for k, frac in enumerate((0.0, 0.3, 0.6)):
         out = str(tmp_path / f"out{k}")
-        p = start(*merge(out))
+        p = start(*merge(out), env=SLOW_MERGE)
         wait_for(os.path.join(out, MANIFEST), p)
         time.sleep(frac * work)
         try:
