@@ -27,8 +27,7 @@ def start(*args: str, env=None) -> subprocess.Popen:
 
 # each merged file 150 ms longer (tests/sglang_cpu/shims): on a fast machine a warm merge of the
 # small dump ends within the few ms between its manifest and a Ctrl-C
-SLOW_MERGE = {**os.environ, "PYTHONPATH": os.pathsep.join([SHIMS, os.environ.get("PYTHONPATH", "")]),
-              "HSCAP_TEST_SLOW_MERGE_MS": "150"}
+SLOW_MERGE = {**os.environ, "PYTHONPATH": SHIMS, "HSCAP_TEST_SLOW_MERGE_MS": "150"}
 
 
 def live_members(group: int) -> list:
