@@ -73,6 +73,10 @@ SERVERS: Dict[str, tuple] = {
     "alt-pre3": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
     "alt-three": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
     "alt-pre3-t6": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "6"}, "shm", "alt"),
+    "alt-pre3-raw": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_CODEC": "raw"}, "shm", "alt"),
+    "alt-pre3-t4": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "4"}, "shm", "alt"),
+    "split-pre3": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "split-alt"),
+    "split-three": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "split-alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
     # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)
@@ -81,6 +85,9 @@ SERVERS: Dict[str, tuple] = {
 # the rounds of an `alt` server: off = unmarked, on = marked; `on-idle`/`on-cores` move the
 # writer (tune_writer) for that round only
 ALT_ROUNDS = "off,on,off,on-idle,off,on-cores,off,on,off"
+# the same, with the processes split across physical cores (tune_writer) in the -split rounds
+SPLIT_ROUNDS = "off,on,off-split,on-split,off-split,on,off,on-split,off-split"
+DRAIN_S = 3.0  # after an `on` round: the writer's backlog (~1 s of states at most) drains before the next round
 CHAT_ALT_ROUNDS = "off,on5,off,on5,off,on100,off"
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_SYSTEM, CHAT_CONCURRENCY = 600, 4, 1024, 64
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
@@ -229,31 +236,61 @@ class CoreMeter:
         self.busy_cores = round(busy / max(1, t1 - self.t0) * (os.cpu_count() or 1), 2)
 
 
+def physical_cores() -> List[List[int]]:
+    """The host's logical CPUs grouped by physical core (hyperthread siblings together)."""
+    allowed, seen, out = set(os.sched_getaffinity(0)), set(), []
+    for cpu in sorted(allowed):
+        if cpu in seen:
+            continue
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                text = f.read().strip()
+            sib = set()
+            for part in text.split(","):
+                lo, _, hi = part.partition("-")
+                sib.update(range(int(lo), int(hi or lo) + 1))
+        except (OSError, ValueError):
+            sib = {cpu}
+        group = sorted(sib & allowed)
+        seen.update(group)
+        out.append(group)
+    return out
+
+
 def tune_writer(pgid: int, how: Optional[str]) -> Optional[dict]:
-    """Move every thread of the server's writer process: `idle` (SCHED_IDLE), `cores` (the last
-    half of the host's cores, the first half left to SGLang's processes) or `reset` (back to the
-    defaults). What a setting of the writer would do, tried from outside before it is one."""
+    """Move the server's processes from outside: `idle` (the writer SCHED_IDLE), `cores` (the
+    writer on the last half of the logical CPUs), `split` (SGLang's processes on the first half
+    of the PHYSICAL cores, hyperthread siblings included, the writer on the other half: no
+    writer thread shares a core with the scheduler), or `reset` (everything back to the
+    defaults). What a setting of the writer would do, tried before it is one."""
     if not how:
         return None
     cpus = sorted(os.sched_getaffinity(0))
+    phys = physical_cores()
+    first = sorted(c for g in phys[:len(phys) // 2] for c in g)
+    last = sorted(c for g in phys[len(phys) // 2:] for c in g)
     moved = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"writer_process" not in f.read() or os.getpgid(int(pid)) != pgid:
-                    continue
+                writer = b"writer_process" in f.read()
+            if os.getpgid(int(pid)) != pgid or (not writer and how in ("idle", "cores")):
+                continue
             for tid in os.listdir(f"/proc/{pid}/task"):
                 if how == "idle":
                     os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
                 elif how == "cores":
                     os.sched_setaffinity(int(tid), cpus[len(cpus) // 2:])
+                elif how == "split":
+                    os.sched_setaffinity(int(tid), last if writer else first)
                 else:  # back to the defaults
-                    os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+                    if writer:
+                        os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
                     os.sched_setaffinity(int(tid), cpus)
                 moved.append(int(tid))
         except (OSError, ValueError):
             continue
-    return {"how": how, "threads": len(moved)}
+    return {"how": how, "threads": len(moved), "physical_cores": len(phys), "logical": len(cpus)}
 
 
 def process_cpu(pgid: int) -> Dict[str, float]:
@@ -314,8 +351,8 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     try:
         res["startup_s"] = round(srv.wait_healthy(), 1)
         res["writer_tuned"] = tune_writer(srv.proc.pid, extra_env.get("WRITER"))
-        if load in ("alt", "chat-alt"):
-            res["rounds"] = run_rounds(srv, load, data)
+        if load in ("alt", "split-alt", "chat-alt"):
+            res["rounds"] = run_rounds(srv, "chat-alt" if load == "chat-alt" else "alt", data, split=load == "split-alt")
             res["tokens_per_s"] = None
             res["alt"] = summarize_rounds(res["rounds"])
             on = [r["tokens_per_s"] for r in res["rounds"] if r["round"] == "on"]
@@ -360,14 +397,16 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     return res
 
 
-def run_rounds(srv, load: str, data: str) -> List[dict]:
+def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
     """The alternating sends of one hooked server that captures only marked requests: the same
     texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`)."""
     rounds = []
     if load == "alt":
         send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm", 0.0)
         send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm-on", 1.0)
-        for i, r in enumerate(ALT_ROUNDS.split(",")):
+        for i, r in enumerate((SPLIT_ROUNDS if split else ALT_ROUNDS).split(",")):
+            if i and rounds[-1]["round"].startswith("on"):
+                time.sleep(DRAIN_S)
             how = r.split("-", 1)[1] if "-" in r else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
             with CoreMeter() as cores:
@@ -389,15 +428,19 @@ def run_rounds(srv, load: str, data: str) -> List[dict]:
 
 
 def summarize_rounds(rounds: List[dict]) -> dict:
-    """Each `on` round against the mean of the `off` rounds just before and after it."""
+    """Each `on` round against the mean of the `off` rounds just before and after it that ran as
+    it did (`on-split` against `off-split`; `on-idle` and `on-cores` against `off`)."""
     out: Dict[str, list] = {}
+    names = {r["round"] for r in rounds}
     for i, r in enumerate(rounds):
-        if r["round"] == "off" or not r.get("tokens_per_s"):
+        if r["round"].startswith("off") or not r.get("tokens_per_s"):
             continue
-        offs = [o["tokens_per_s"] for o in rounds[max(0, i - 1):i + 2] if o["round"] == "off" and o.get("tokens_per_s")]
+        base = "off" + r["round"][2:]
+        base = base if base in names else "off"
+        offs = [o["tokens_per_s"] for o in rounds[max(0, i - 1):i + 2] if o["round"] == base and o.get("tokens_per_s")]
         if offs:
             out.setdefault(r["round"], []).append(round(r["tokens_per_s"] / (sum(offs) / len(offs)), 4))
-    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] == "off"]}
+    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"].startswith("off")]}
 
 
 def verify(dump: str, a, work: str, data: str) -> dict:
