@@ -397,6 +397,33 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     return res
 
 
+def scheduler_pid(pgid: int) -> Optional[int]:
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if "sglang::schedul" in stat and int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
+            return int(pid)
+    return None
+
+
+def profile(srv, name: str, seconds: float):
+    """py-spy (the PYSPY setting: its binary) sampling the scheduler's threads for `seconds`, into
+    PROFILES/NAME.txt (collapsed stacks); None where either setting is missing."""
+    spy, out = os.environ.get("PYSPY"), os.environ.get("PROFILES")
+    pid = scheduler_pid(srv.proc.pid)
+    if not spy or not out or pid is None:
+        return None
+    import subprocess
+
+    os.makedirs(out, exist_ok=True)
+    return subprocess.Popen([spy, "record", "-p", str(pid), "-r", "250", "-d", str(int(seconds)), "--threads", "--nonblocking",
+                             "-f", "raw", "-o", os.path.join(out, f"{name}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
     """The alternating sends of one hooked server that captures only marked requests: the same
     texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`)."""
@@ -409,10 +436,13 @@ def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
                 time.sleep(DRAIN_S)
             how = r.split("-", 1)[1] if "-" in r else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
+            spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
             with CoreMeter() as cores:
                 s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
             if how:
                 tune_writer(srv.proc.pid, "reset")
+            if spy is not None:
+                spy.wait(30)
             rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned})
             print(json.dumps(rounds[-1]), flush=True)
     else:

@@ -240,7 +240,9 @@ class CudaSideStream:
             t.record_stream(self._stream)
 
     def finish(self) -> object:
-        event = torch.cuda.Event()
+        # blocking: the thread that waits for it sleeps in the driver; a default event's wait
+        # spins a core inside the driver, against the launches of the scheduler's own thread
+        event = torch.cuda.Event(blocking=True)
         event.record(self._stream)
         return event
 
