@@ -191,3 +191,36 @@ def test_a_writer_process_that_cannot_start_leaves_the_writing_to_threads(tmp_pa
     assert w.submit(*step("r0", 8), aux_layers=[1, 2])
     assert w.close()
     assert meta_of(w)["stats"]["writer"] == "thread" and meta_of(w)["stats"]["steps_written"] == 1
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_capture_threads_in_the_servers_process_are_reported(tmp_path, caplog, writer):
+    """Work that holds no forward but takes cores and the interpreter lock from the scheduler's
+    thread is never silent either: a copy whose wait burns CPU (as a spinning CUDA event wait
+    does) shows in the closing line and the run metadata's `server_threads`."""
+    from hs_capture.server import capture
+    from hs_capture.server.staging import CpuCopy
+
+    class Spin:
+        def synchronize(self):
+            end = time.thread_time() + 0.03
+            while time.thread_time() < end:
+                pass
+
+    class SpinningWait(CpuCopy):
+        def finish(self):
+            return Spin()
+
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, writer=writer)
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), copier=SpinningWait())
+    w.start()
+    capture._writers.add(w)
+    for k in range(5):
+        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
+    capture.close_all(30)
+    threads = meta_of(w)["stats"]["server_threads"]
+    spun = "handoff_cpu_s" if writer == "process" else "writer_cpu_s"
+    assert threads[spun] >= 4 * 0.03 and threads["copy_wait_s"] >= 4 * 0.03, threads
+    assert meta_of(w)["stats"]["forward_cost"]["held_s"] < 0.1  # the forwards themselves were not held
+    line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
+    assert "capture's threads in the server's process used" in line and "waiting for device copies" in line

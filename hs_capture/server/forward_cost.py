@@ -1,12 +1,17 @@
-"""What the hook costs the server's forwards, by cause, so that a cost is never silent: the
-time it holds a forward building the step's index line, quantizing the states (the compact
-tier: enqueuing it on the device), staging the device-to-host copies,
-waiting for the in-flight budget or a free host buffer, and handing the step to the writer."""
+"""What capture costs the server's process, so that a cost is never silent: the time the hook
+holds a forward, by cause (building the step's index line, quantizing the states (the compact
+tier: enqueuing it on the device), staging the device-to-host copies, waiting for the in-flight
+budget or a free host buffer, handing the step to the writer), and the CPU time of capture's own
+threads in that process, which hold no forward but compete with the scheduler's thread for cores
+and for the interpreter lock (ServerThreads)."""
 
 from __future__ import annotations
 
 import threading
-from typing import Dict
+import time
+from typing import Callable, Dict, TypeVar
+
+T = TypeVar("T")
 
 CAUSES = ("step_line", "quantize", "staging", "budget_wait", "buffer_wait", "handoff")
 LABELS = {"step_line": "step line", "quantize": "quantizing", "staging": "staging copies", "budget_wait": "in-flight budget",
@@ -38,3 +43,47 @@ class ForwardCost:
     def describe(report: Dict[str, float]) -> str:
         parts = ", ".join(f"{LABELS[c]} {report[c + '_s']:.3f} s" for c in CAUSES)
         return f"forwards held {report['held_s']:.3f} s by capture over {report['steps']} steps ({parts})"
+
+
+# capture's threads in the server's process, by role
+ROLES = ("handoff", "replies", "writer")
+ROLE_LABELS = {"handoff": "hand-off", "replies": "the writer's replies", "writer": "writer threads"}
+
+
+class ServerThreads:
+    """The CPU seconds of capture's threads in the server's process, by role (`handoff`: waits for
+    each step's copy and sends it to the writer process; `replies`: hears the writer process;
+    `writer`: the writer threads, when the writing runs in the server's process), and the time
+    spent waiting for the steps' device-to-host copies. Each thread reads its own CPU clock after
+    each item (time.thread_time: a few hundred ns)."""
+
+    def __init__(self) -> None:
+        self._cpu: Dict[int, tuple] = {}  # thread id -> (role, its CPU seconds so far)
+        self._copy_wait = 0.0
+        self._lock = threading.Lock()
+
+    def tick(self, role: str) -> None:
+        self._cpu[threading.get_ident()] = (role, time.thread_time())
+
+    def wait_for_copy(self, ready: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        try:
+            return ready()
+        finally:
+            with self._lock:
+                self._copy_wait += time.perf_counter() - t0
+
+    def report(self) -> Dict[str, float]:
+        cpu = dict.fromkeys(ROLES, 0.0)
+        for role, seconds in list(self._cpu.values()):
+            cpu[role] = cpu.get(role, 0.0) + seconds
+        out = {f"{r}_cpu_s": round(v, 4) for r, v in cpu.items()}
+        with self._lock:
+            out["copy_wait_s"] = round(self._copy_wait, 4)
+        return out
+
+    @staticmethod
+    def describe(report: Dict[str, float]) -> str:
+        parts = ", ".join(f"{ROLE_LABELS[r]} {report[r + '_cpu_s']:.3f} s" for r in ROLES)
+        return (f"capture's threads in the server's process used {parts} of CPU "
+                f"(waiting for device copies {report['copy_wait_s']:.3f} s)")

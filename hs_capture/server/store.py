@@ -168,8 +168,12 @@ class StoreWorkers:
     (on_backlog=raw): the waiting steps would fill the budget before a compressing thread
     came back."""
 
-    def __init__(self, store: ShardStore, threads: int, budget_bytes: int) -> None:
+    def __init__(self, store: ShardStore, threads: int, budget_bytes: int,
+                 clock: Optional[Callable[[], None]] = None) -> None:
+        """clock: called by each thread after each step (ServerThreads.tick, where the threads run
+        in the server's process)."""
         self.store = store
+        self._clock = clock
         self._limit = budget_bytes
         self._queue: "queue.Queue[Optional[WriteJob]]" = queue.Queue()
         self._waiting = 0
@@ -206,6 +210,8 @@ class StoreWorkers:
                 self.store.write(job, self._codec(self._picked(job.nbytes)))
             finally:
                 job.done()
+                if self._clock is not None:
+                    self._clock()
 
     def close(self, timeout: float) -> bool:
         """Drain every queued step. True if all finished within the timeout."""

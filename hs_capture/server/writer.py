@@ -22,7 +22,7 @@ from hs_capture.server.backlog import Backlog
 from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
-from hs_capture.server.forward_cost import ForwardCost
+from hs_capture.server.forward_cost import ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
@@ -40,11 +40,13 @@ class ThreadSink:
         self.cfg, self.rank, self.record, self._budget = cfg, rank, record, budget_bytes
         self.store: Optional[ShardStore] = None
         self.workers: Optional[StoreWorkers] = None
+        self.threads = ServerThreads()
 
     def start(self, meta: RankMeta) -> None:
         self.store = ShardStore(self.cfg, self.rank, meta, self.record)
         self.store.begin()
-        self.workers = StoreWorkers(self.store, self.cfg.writer_threads, self._budget)
+        self.workers = StoreWorkers(self.store, self.cfg.writer_threads, self._budget,
+                                    clock=lambda: self.threads.tick("writer"))
         self.workers.start()
 
     @property
@@ -60,14 +62,16 @@ class ThreadSink:
         return self.store.failure if self.store else None
 
     def put(self, step: int, line: IndexLine, staged: Staged, aux_layers: List[int], done: Callable[[], None]) -> None:
-        self.workers.put(WriteJob(step, line, staged.buffer.tensor.numpy(), staged.layout, aux_layers, staged.nbytes, staged.ready, done))
+        self.workers.put(WriteJob(step, line, staged.buffer.tensor.numpy(), staged.layout, aux_layers, staged.nbytes,
+                                  lambda: self.threads.wait_for_copy(staged.ready), done))
 
     def drop(self, step: int, line: IndexLine) -> None:
         self.store.drop(step, line)
 
-    def close(self, timeout: float, forward: Dict[str, Any]) -> bool:
+    def close(self, timeout: float, forward: Callable[[], Dict[str, Any]]) -> bool:
+        """forward: the server side's counters, read once the threads have drained."""
         done = self.workers.close(timeout)
-        self.store.finish(done, forward)
+        self.store.finish(done, forward())
         return done
 
 
@@ -137,7 +141,7 @@ class ShardWriter:
         if self._closed:
             return True
         self._closed = True
-        done = self._sink.close(timeout, self.forward_stats())
+        done = self._sink.close(timeout, self.forward_stats)
         self._stager.pool.trim()
         return done
 
@@ -220,6 +224,7 @@ class ShardWriter:
                 "inflight_budget_bytes": self._backlog.budget.limit,
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer,
                 "forward_cost": self.cost.report(),
+                "server_threads": self._sink.threads.report(),
                 "disk_bound": self.run_meta.disk_bound}
 
     def _say_disk_bound(self) -> None:

@@ -32,6 +32,7 @@ from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
 from hs_capture.server.channel import Channel
 from hs_capture.server.config import CaptureConfig, ConfigError
+from hs_capture.server.forward_cost import ServerThreads
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.store import STAT_KEYS, ShardStore, StoreWorkers, WriteJob
@@ -65,6 +66,7 @@ class ProcessSink:
         self._proc: Optional[subprocess.Popen] = None
         self._chan: Optional[Channel] = None
         self._threads: List[threading.Thread] = []
+        self.threads = ServerThreads()  # what the two threads above cost the server's process
 
     def start(self, meta: RankMeta) -> None:
         self._meta = meta
@@ -117,6 +119,7 @@ class ProcessSink:
         """In order: wait for each step's device copy (off the forward), then send it."""
         while True:
             item = self._outbox.get()
+            self.threads.tick("handoff")  # its CPU time up to here
             if item is None:
                 return
             job, step, line, staged, aux_layers = item
@@ -124,7 +127,7 @@ class ProcessSink:
                 self._send(("drop", step, line))
                 continue
             try:
-                staged.ready()
+                self.threads.wait_for_copy(staged.ready)
             except Exception as e:  # the copy failed: the step is not written, the server goes on
                 self.failure = f"{type(e).__name__}: {e}"
                 self._finish_job(job)
@@ -139,6 +142,7 @@ class ProcessSink:
                 msg, _ = self._chan.recv()
             except (EOFError, OSError):
                 break
+            self.threads.tick("replies")
             if msg[0] == "done":
                 _, job, stats, stopped, failure = msg
                 self.stats, self.failure = stats, failure or self.failure
@@ -183,13 +187,14 @@ class ProcessSink:
         self._on_lost()
 
     # ------------------------------------------------------------- close
-    def close(self, timeout: float, forward: Dict[str, Any]) -> bool:
+    def close(self, timeout: float, forward: Callable[[], Dict[str, Any]]) -> bool:
+        """forward: the server side's counters, read once the hand-off thread has drained."""
         self._closing = True
         self._outbox.put(None)
         for t in self._threads[:1]:
             t.join(timeout)
         if not self._ended.is_set():
-            self._send(("close", timeout, forward))
+            self._send(("close", timeout, forward()))
             self._ended.wait(timeout + 10)
         if self._proc is not None:
             try:
