@@ -111,10 +111,8 @@ def test_the_states_take_less_than_half_of_bfloat16(fp8_dump):
 def test_verify_reference_passes_the_dump_and_fails_wrong_states_in_it(fp8_dump, tiny_model):
     """`hscap verify --reference` on the server's own fp8 dump passes by the fp8 rule; the same
     dump's states taken from another sample, one row late or from another layer fail it."""
-    from hs_capture.offline.read.assemble import Assembler
-    from hs_capture.offline.read.planning import plan
-    from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, compare
-    from hs_capture.offline.verify.report import Report
+    from hs_capture.offline.verify.reference import Reference
+    from tests.sglang_cpu.stored import changed, reference_findings, stored_samples
     from tests.test_verify import verify
 
     code, doc = verify(fp8_dump["dir"], "--dataset", fp8_dump["data"], "--reference", tiny_model,
@@ -124,26 +122,14 @@ def test_verify_reference_passes_the_dump_and_fails_wrong_states_in_it(fp8_dump,
     assert all(s["worst_vs_bound"] < 1 and s["quant_median_rel"] > 0.015
                for s in doc["stats"]["reference_states"].values()), doc["stats"]["reference_states"]
 
-    p = plan([fp8_dump["dir"]])
-    asm = Assembler(p)
-
-    def stored(rid, change=None):
-        s = asm.sample(rid)
-        layers = {k: v.float().numpy() for k, v in s.layers.items()}
-        return Stored(rid, None, s.input_ids.numpy(), {**layers, **(change or {})}, s.final.float().numpy(), None,
-                      quant.STORED_DTYPE)
-
-    def judged(sample):
-        rep = Report(["x"])
-        compare(rep, Reference(tiny_model), [sample], Tolerance())
-        return [f.message for f in rep.findings if f.check == "reference"]
-
-    a, b = stored("c2"), stored("c3")  # 130 and 260 tokens
+    good = stored_samples(fp8_dump["dir"], quant.STORED_DTYPE)
+    ref = Reference(tiny_model)
+    a, b = good["c2"], good["c3"]  # 130 and 260 tokens
     n = a.input_ids.size
-    assert judged(a) == []
-    bad = {"another sample's": stored("c2", {k: b.layers[k][:n] for k in LAYERS}),
-           "one row late": stored("c2", {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}),
-           "another layer's": stored("c2", {3: a.layers[5]})}
+    assert reference_findings(ref, [a]) == []
+    bad = {"another sample's": changed(a, {k: b.layers[k][:n] for k in LAYERS}),
+           "one row late": changed(a, {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}),
+           "another layer's": changed(a, {3: a.layers[5]})}
     for what, sample in bad.items():
-        found = judged(sample)
+        found = reference_findings(ref, [sample])
         assert found and all("plus the fp8 storage error" in m for m in found), (what, found)

@@ -7,11 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from hs_capture.offline.read.assemble import Assembler
-from hs_capture.offline.read.planning import plan
-from hs_capture.offline.verify.reference import Reference, Stored, Tolerance, _row_rel, compare
-from hs_capture.offline.verify.report import Report
+from hs_capture.offline.verify.reference import Reference, _row_rel
 from tests.sglang_cpu.harness import make_tiny_deepseek, serve_and_send, server_env, write_jsonl
+from tests.sglang_cpu.stored import changed, reference_findings, stored_samples
 from tests.test_verify import verify
 
 
@@ -46,43 +44,24 @@ def test_a_right_bf16_dump_passes_with_no_tolerance_flags(bf16_dump):
     assert code == 1 and {f["check"] for f in doc["findings"]} == {"reference"}
 
 
-def _stored(bf16_dump):
-    p = plan([bf16_dump["dump"]])
-    asm = Assembler(p)
-    out = {}
-    for rid in sorted(p.samples):
-        s = asm.sample(rid)
-        out[rid] = Stored(rid, None, s.input_ids.numpy(), {k: v.float().numpy() for k, v in s.layers.items()},
-                          s.final.float().numpy(), None, "bfloat16", {pc.prefix: pc.step for pc in p.samples[rid]})
-    return out
-
-
-def _judged(ref, samples):
-    report = Report(["x"])
-    compare(report, ref, samples, Tolerance())
-    return [f.message for f in report.findings if f.check == "reference"]
-
-
 def test_wrong_bf16_states_fail(bf16_dump):
     ref = Reference(bf16_dump["model"])
-    good = _stored(bf16_dump)
-    assert _judged(ref, good.values()) == []
+    good = stored_samples(bf16_dump["dump"], "bfloat16")
+    assert reference_findings(ref, good.values()) == []
     a, b = good["s1"], good["s2"]  # 170 and 300 tokens
     n = a.input_ids.size
-    other = Stored(a.rid, None, a.input_ids, {k: b.layers[k][:n] for k in a.layers}, b.final[:n], None, "bfloat16")
-    shifted = Stored(a.rid, None, a.input_ids, {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()}, a.final,
-                     None, "bfloat16")
-    layer = Stored(a.rid, None, a.input_ids, {2: a.layers[2], 3: a.layers[5], 5: a.layers[5]}, a.final, None,
-                   "bfloat16")
-    one_row = Stored(a.rid, None, a.input_ids, {k: v.copy() for k, v in a.layers.items()}, a.final, None, "bfloat16")
+    other = changed(a, {k: b.layers[k][:n] for k in a.layers}, b.final[:n])
+    shifted = changed(a, {k: np.roll(v, 1, axis=0) for k, v in a.layers.items()})
+    layer = changed(a, {3: a.layers[5]})
+    one_row = changed(a)
     one_row.layers[3][100] = b.layers[3][100]
     for bad, where in ((other, "layer 2"), (shifted, "layer 2"), (layer, "layer 3"), (one_row, "layer 3")):
-        found = _judged(ref, [bad])
+        found = reference_findings(ref, [bad])
         assert found and any(m.startswith(where) for m in found), (where, found)
-    assert any("1 of 170 tokens" in m and "position 100" in m for m in _judged(ref, [one_row]))
+    assert any("1 of 170 tokens" in m and "position 100" in m for m in reference_findings(ref, [one_row]))
     # the finding follows that token through every state: far off at the one state that is
     # wrong, within the rule before and after it (a capture fault, not arithmetic parting)
-    msg = next(m for m in _judged(ref, [one_row]) if m.startswith("layer 3"))
+    msg = next(m for m in reference_findings(ref, [one_row]) if m.startswith("layer 3"))
     trail = dict(x.rsplit(" ", 1) for x in msg.split("error over transformers' own x4: ")[1].split(", "))
     assert set(trail) == {"layer 2", "layer 3", "layer 5", "final (post-norm)"}, msg
     assert float(trail["layer 3"]) > 10 and max(float(v) for k, v in trail.items() if k != "layer 3") < 1, msg
@@ -93,18 +72,17 @@ def test_wrong_bf16_states_fail(bf16_dump):
     med = float(np.median(_row_rel(low[3] - hs[3], hs[3])))
     d = np.random.default_rng(0).standard_normal(hs[3].shape).astype(np.float32)
     d *= (4.5 * med * np.linalg.norm(hs[3], axis=-1) / np.linalg.norm(d, axis=-1))[:, None]
-    drift = Stored(a.rid, None, a.input_ids, {**a.layers, 3: hs[3] + d}, a.final, None, "bfloat16")
-    found = _judged(ref, [drift])
+    drift = changed(a, {3: hs[3] + d})
+    found = reference_findings(ref, [drift])
     assert len(found) == 1 and found[0].startswith("layer 3: ") and "where 2 may (the tail)" in found[0], found
     assert int(found[0].split(": ")[1].split(" of ")[0]) > 20, found
     # a wrong token at a piece's first position is named as such: the server's prefill boundary
     starts = sorted(a.pieces)
     assert len(starts) > 1, a.pieces  # 170 tokens, chunked prefill of 128
-    at = Stored(a.rid, None, a.input_ids, {k: v.copy() for k, v in a.layers.items()}, a.final, None, "bfloat16",
-                a.pieces)
+    at = changed(a, pieces=True)
     at.layers[3][starts[1]] = b.layers[3][starts[1]]
     assert any(f"position {starts[1]}, the first token of the piece captured at step {a.pieces[starts[1]]}" in m
-               for m in _judged(ref, [at])), _judged(ref, [at])
+               for m in reference_findings(ref, [at])), reference_findings(ref, [at])
 
 
 def test_a_bf16_capture_merges_for_specforge_with_no_warning_and_its_target_head_takes_it(bf16_dump, tmp_path):
