@@ -153,10 +153,24 @@ def test_a_server_that_dies_leaves_every_step_it_handed_over_committed(tmp_path,
     assert all(samples[f"r{k}"].complete for k in range(8))
 
 
+def closed_after_five_steps(tmp_path, copier, **cfg) -> dict:
+    """A writer with that copier, five steps submitted, closed as the server's exit closes it
+    (its closing line logged): its run metadata."""
+    from hs_capture.server import capture
+
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, **cfg)
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), copier=copier)
+    w.start()
+    capture._writers.add(w)
+    for k in range(5):
+        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
+    capture.close_all(30)
+    return meta_of(w)
+
+
 def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
     """A cost the hook puts on the forwards is never silent: planted in the staging copies, it
     is in the closing line and the run metadata under that cause."""
-    from hs_capture.server import capture
     from hs_capture.server.staging import CpuCopy
 
     class SlowCopy(CpuCopy):
@@ -164,14 +178,7 @@ def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
             time.sleep(0.02)
             host.copy_(t)
 
-    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False)
-    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), copier=SlowCopy())
-    w.start()
-    capture._writers.add(w)
-    for k in range(5):
-        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
-    capture.close_all(30)
-    cost = meta_of(w)["stats"]["forward_cost"]
+    cost = closed_after_five_steps(tmp_path, SlowCopy())["stats"]["forward_cost"]
     assert cost["staging_s"] >= 5 * 4 * 0.02 and cost["held_s"] >= cost["staging_s"]  # 4 tensors a step
     assert cost["budget_wait_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["steps"] == 5
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
@@ -198,7 +205,6 @@ def test_capture_threads_in_the_servers_process_are_reported(tmp_path, caplog, w
     """Work that holds no forward but takes cores and the interpreter lock from the scheduler's
     thread is never silent either: a copy whose wait burns CPU (as a spinning CUDA event wait
     does) shows in the closing line and the run metadata's `server_threads`."""
-    from hs_capture.server import capture
     from hs_capture.server.staging import CpuCopy
 
     class Spin:
@@ -211,16 +217,10 @@ def test_capture_threads_in_the_servers_process_are_reported(tmp_path, caplog, w
         def finish(self):
             return Spin()
 
-    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, writer=writer)
-    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H), copier=SpinningWait())
-    w.start()
-    capture._writers.add(w)
-    for k in range(5):
-        assert w.submit(*step(f"r{k}", 8), aux_layers=[1, 2])
-    capture.close_all(30)
-    threads = meta_of(w)["stats"]["server_threads"]
+    stats = closed_after_five_steps(tmp_path, SpinningWait(), writer=writer)["stats"]
+    threads = stats["server_threads"]
     spun = "handoff_cpu_s" if writer == "process" else "writer_cpu_s"
     assert threads[spun] >= 4 * 0.03 and threads["copy_wait_s"] >= 4 * 0.03, threads
-    assert meta_of(w)["stats"]["forward_cost"]["held_s"] < 0.1  # the forwards themselves were not held
+    assert stats["forward_cost"]["held_s"] < 0.1  # the forwards themselves were not held
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
     assert "capture's threads in the server's process used" in line and "waiting for device copies" in line
