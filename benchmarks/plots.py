@@ -105,9 +105,13 @@ def capture_overhead(plt, docs):
 
 def _tier(s: dict) -> str:
     n = len(str(s["layers"]).split(","))
-    codec = (s.get("env") or {}).get("HSCAP_CODEC")
-    return (f"{n} layer{'s' if n > 1 else ''}\n+ final" + ("\n+ pre-norm" if s["prenorm"] else "")
-            + (f"\n({codec})" if codec else ""))
+    return f"{n} layer{'s' if n > 1 else ''}\n+ final" + ("\n+ pre-norm" if s["prenorm"] else "")
+
+
+def _default_store(s: dict) -> bool:
+    """The server wrote with the default codec and store (the panel's bars say what the defaults cost)."""
+    env = s.get("env") or {}
+    return "HSCAP_CODEC" not in env and "HSCAP_STORE" not in env
 
 
 def bytes_per_token(plt, docs):
@@ -117,7 +121,7 @@ def bytes_per_token(plt, docs):
     for run in sweep["runs"]:
         for s in run["servers"]:
             w = s.get("writer") or {}
-            if s.get("bytes_per_token") and w.get("raw_bytes"):
+            if s.get("bytes_per_token") and w.get("raw_bytes") and _default_store(s):
                 t = tiers.setdefault(_tier(s), [s["bytes_per_token"], 0, 0])
                 t[1] += w["raw_bytes"]
                 t[2] += w["file_bytes"]
