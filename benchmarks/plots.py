@@ -32,7 +32,8 @@ OUT = "docs/img"
 # purpose.py's drafters, in the order a reader compares them; any other is drawn after these
 DRAFTERS = {"right": "right (merged)", "dump": "from the dump", "shifted": "shifted one token",
             "wrong": "wrong layers", "permuted": "layers reordered", "untrained": "untrained"}
-WRITER_MARKERS = {"process": "o", "thread": "X"}
+WRITER_MARKERS = {"process": "o", "thread": "X", "one server": "D"}
+WRITER_LABELS = {"process": "writer process", "thread": "writer threads", "one server": "one server, its rounds alternating"}
 
 
 class ResultsError(Exception):
@@ -67,15 +68,26 @@ def capture_overhead(plt, docs):
         for s in run["summary"]:
             # chat servers' states_gbps is None: their prompts come mostly from the prefix cache
             (rate if isinstance(s["states_gbps"], (int, float)) else chat).append((i, s))
+        for s in run["servers"]:
+            # one server, its sends alternating uncaptured and captured: each captured round at
+            # the default settings against the uncaptured rounds beside it
+            on = ((s.get("alt") or {}).get("on_over_off") or {}).get("on")
+            if on and isinstance(s.get("states_gbps"), (int, float)) and _default_store(s):
+                for x in on:
+                    rate.append((i, {"server": s["server"], "states_gbps": s["states_gbps"], "on_over_off": x,
+                                     "writer": "one server"}))
     fig, axes = plt.subplots(1, 2 if chat else 1, figsize=(10 if chat else 7.5, 4.2), squeeze=False,
                              gridspec_kw={"width_ratios": [2, 1]} if chat else None)
     ax = axes[0][0]
     colors = plt.get_cmap("tab10").colors
+    named = set()
     for i, s in rate:
         ax.scatter(s["states_gbps"], s["on_over_off"], color=colors[i % 10], s=46, zorder=3,
                    marker=WRITER_MARKERS.get(s.get("writer"), "^"))
-        ax.annotate(s["server"], (s["states_gbps"], s["on_over_off"]), xytext=(5, -3),
-                    textcoords="offset points", fontsize=7)
+        if s.get("writer") != "one server" or (i, s["server"]) not in named:  # its rounds: named once
+            named.add((i, s["server"]))
+            ax.annotate(s["server"], (s["states_gbps"], s["on_over_off"]), xytext=(5, -3),
+                        textcoords="offset points", fontsize=7)
     ax.axhline(1.0, color="0.5", lw=0.8, ls="--")
     ax.set_xlim(0, max([s["states_gbps"] for _, s in rate] + [1]) * 1.2)
     ax.set_ylim(0, 1.1)
@@ -85,7 +97,7 @@ def capture_overhead(plt, docs):
     handles = [plt.Line2D([], [], ls="", marker="s", color=colors[i % 10],
                           label=f"{run['date']}, {run['device'].replace('NVIDIA ', '')}")
                for i, run in enumerate(sweep["runs"]) if any(j == i for j, _ in rate + chat)]
-    handles += [plt.Line2D([], [], ls="", marker=m, color="0.3", label=f"writer {w}")
+    handles += [plt.Line2D([], [], ls="", marker=m, color="0.3", label=WRITER_LABELS[w])
                 for w, m in WRITER_MARKERS.items() if any(s.get("writer") == w for _, s in rate)]
     ax.legend(handles=handles, fontsize=7, loc="lower left")
     ax.grid(alpha=0.3)
