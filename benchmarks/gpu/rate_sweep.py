@@ -17,10 +17,20 @@ one keeping the radix cache (`hscap serve --keep-radix-cache`) capturing 5% of r
 hash) and all of them; `chat-serve` is `hscap serve` as for a dataset (radix cache off). Each
 is compared with the mean of the plain chat servers.
 
-For each server the results hold the writer's closing counters (forward cost by cause, the
-wake-delay probe, raw and written bytes), the host's busy cores during the steady send, and the
-CPU seconds of each process of the server (scheduler, writer process, ...). The dump of the
-first `on` server is checked with `hscap verify --dataset --reference` before it is removed.
+The `alt-*` and `split-*` servers take both sides from one hooked server that captures only
+the requests a client marks: the same texts are sent in rounds, unmarked (`off`) and marked
+(`on`), each `on` round against the `off` rounds beside it, with a pause after each `on` round
+for the writer to drain. Some rounds move the server's processes from outside (tune_writer):
+`-idle` and `-cores` the writer process, `-split` SGLang's processes and the writer onto
+separate physical cores.
+
+For each server the results hold the writer's closing counters (forward cost by cause, the CPU
+time of capture's threads in the server's process, raw and written bytes), the host's busy cores
+during the steady send, and the CPU seconds of each process of the server (scheduler, writer
+process, ...). The dump of the `--verify` server is checked with `hscap verify --dataset
+--reference` before it is removed. With PYSPY (a py-spy binary) and PROFILES (a folder) set,
+the scheduler's threads are sampled during the first `on` and `off` rounds of each alternating
+server (collapsed stacks, PROFILES/<log>-r<round>-<name>.txt).
 
 usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME,...] [--texts N]
 """
