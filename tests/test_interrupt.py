@@ -20,9 +20,15 @@ from tests.test_merge import files_of
 HSCAP = os.path.join(os.path.dirname(sys.executable), "hscap")  # the console script, as users run it
 
 
+def _as_from_a_terminal() -> None:
+    # a suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    # Python keeps an ignored SIGINT ignored: the command then never saw the Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, env=None) -> subprocess.Popen:
     return subprocess.Popen([HSCAP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=env)
+                            start_new_session=True, env=env, preexec_fn=_as_from_a_terminal)
 
 
 # each merged file 150 ms longer (tests/sglang_cpu/shims): on a fast machine a warm merge of the
