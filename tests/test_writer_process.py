@@ -221,6 +221,7 @@ def test_capture_threads_in_the_servers_process_are_reported(tmp_path, caplog, w
     threads = stats["server_threads"]
     spun = "handoff_cpu_s" if writer == "process" else "writer_cpu_s"
     assert threads[spun] >= 4 * 0.03 and threads["copy_wait_s"] >= 4 * 0.03, threads
-    assert stats["forward_cost"]["held_s"] < 0.1  # the forwards themselves were not held
+    cost = stats["forward_cost"]  # the forwards did not wait for the spinning copy waits
+    assert cost["handoff_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["budget_wait_s"] < 0.05, cost
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
     assert "capture's threads in the server's process used" in line and "waiting for device copies" in line
