@@ -303,10 +303,9 @@ def tune_writer(pgid: int, how: Optional[str]) -> Optional[dict]:
     return {"how": how, "threads": len(moved), "physical_cores": len(phys), "logical": len(cpus)}
 
 
-def process_cpu(pgid: int) -> Dict[str, float]:
-    """CPU seconds of every process in the server's process group, by name (pid appended)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+def group_processes(pgid: int):
+    """(pid, name, the stat fields after the name) of every process in process group `pgid`;
+    the writer process is named hscap-writer."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -314,17 +313,21 @@ def process_cpu(pgid: int) -> Dict[str, float]:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                cmd = f.read()
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
         if int(fields[2]) != pgid:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        if "writer_process" in cmd:
-            name = "hscap-writer"
-        out[f"{name}:{pid}"] = round((int(fields[11]) + int(fields[12])) / tick, 2)
-    return out
+        name = "hscap-writer" if b"writer_process" in cmd else stat[stat.index("(") + 1:stat.rindex(")")]
+        yield int(pid), name, fields
+
+
+def process_cpu(pgid: int) -> Dict[str, float]:
+    """CPU seconds of every process in the server's process group, by name (pid appended)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return {f"{name}:{pid}": round((int(fields[11]) + int(fields[12])) / tick, 2)
+            for pid, name, fields in group_processes(pgid)}
 
 
 def rank_meta(dump: str) -> List[dict]:
@@ -408,15 +411,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
 
 
 def scheduler_pid(pgid: int) -> Optional[int]:
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if "sglang::schedul" in stat and int(stat[stat.rindex(")") + 2:].split()[2]) == pgid:
-            return int(pid)
-    return None
+    return next((pid for pid, name, _ in group_processes(pgid) if name.startswith("sglang::schedul")), None)
 
 
 def profile(srv, name: str, seconds: float):
