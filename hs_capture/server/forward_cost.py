@@ -76,7 +76,7 @@ class ServerThreads:
     def report(self) -> Dict[str, float]:
         cpu = dict.fromkeys(ROLES, 0.0)
         for role, seconds in list(self._cpu.values()):
-            cpu[role] = cpu.get(role, 0.0) + seconds
+            cpu[role] += seconds
         out = {f"{r}_cpu_s": round(v, 4) for r, v in cpu.items()}
         with self._lock:
             out["copy_wait_s"] = round(self._copy_wait, 4)
