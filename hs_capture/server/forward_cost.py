@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, TypeVar
+from typing import Callable, Dict, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -87,3 +87,49 @@ class ServerThreads:
         parts = ", ".join(f"{ROLE_LABELS[r]} {report[r + '_cpu_s']:.3f} s" for r in ROLES)
         return (f"capture's threads in the server's process used {parts} of CPU "
                 f"(waiting for device copies {report['copy_wait_s']:.3f} s)")
+
+
+# the CUDA caching allocator's slow paths (torch.cuda.memory_stats keys)
+ALLOCATOR_KEYS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+class AllocatorCounters:
+    """How often the CUDA caching allocator took its slow paths in this process since capture
+    started: a retry after freeing its cache, a sync of all streams, a device malloc or free.
+    The side-stream copies keep the forward's memory from reuse until they finish
+    (record_stream); should that push the allocator into these paths, SGLang's own forward slows
+    where the hook's clock does not reach, and these counters show it."""
+
+    def __init__(self) -> None:
+        self._device: Optional[int] = None
+        self._base: Dict[str, int] = {}
+
+    def start(self) -> None:
+        import torch  # the server's process has it; the CLI that reads reports need not
+
+        if torch.cuda.is_available():
+            self._device = torch.cuda.current_device()
+            self._base = self._read()
+
+    def _read(self) -> Dict[str, int]:
+        import torch
+
+        stats = torch.cuda.memory_stats(self._device)
+        return {k: int(stats.get(k, 0)) for k in ALLOCATOR_KEYS}
+
+    def report(self) -> Dict[str, int]:
+        """The counts since start; empty without CUDA."""
+        if self._device is None:
+            return {}
+        try:
+            now = self._read()
+        except Exception:  # at interpreter exit the CUDA context may be gone
+            return {}
+        return {k: now[k] - self._base.get(k, 0) for k in ALLOCATOR_KEYS}
+
+    @staticmethod
+    def describe(report: Dict[str, int]) -> str:
+        if not report:
+            return ""
+        return ("; CUDA allocator since capture started: %d retries, %d syncs of all streams, %d device mallocs, "
+                "%d device frees" % tuple(report[k] for k in ALLOCATOR_KEYS))

@@ -22,7 +22,7 @@ from hs_capture.server.backlog import Backlog
 from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
-from hs_capture.server.forward_cost import ForwardCost, ServerThreads
+from hs_capture.server.forward_cost import AllocatorCounters, ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
@@ -100,6 +100,7 @@ class ShardWriter:
         else:
             self._sink = ThreadSink(cfg, rank, self._record, cfg.max_inflight_bytes)
         self.cost = ForwardCost()
+        self._allocator = AllocatorCounters()
         self._disk_bound_said = False
         self._closed = False
         self._next_step = 0
@@ -123,6 +124,7 @@ class ShardWriter:
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
         self._record.open()
+        self._allocator.start()
         try:
             self._sink.start(self.run_meta)
         except Exception as e:
@@ -225,6 +227,7 @@ class ShardWriter:
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer,
                 "forward_cost": self.cost.report(),
                 "server_threads": self._sink.threads.report(),
+                "cuda_allocator": self._allocator.report(),
                 "disk_bound": self.run_meta.disk_bound}
 
     def _say_disk_bound(self) -> None:
