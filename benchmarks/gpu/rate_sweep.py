@@ -246,6 +246,44 @@ class CoreMeter:
         self.busy_cores = round(busy / max(1, t1 - self.t0) * (os.cpu_count() or 1), 2)
 
 
+class ThreadMeter:
+    """CPU seconds over an interval of every thread of the server's processes, summed by
+    process and thread name (`main`: a process's first thread; capture names its own threads
+    hscap-*), from /proc: where a captured round's extra CPU goes."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+
+    def _read(self) -> Dict[str, float]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out: Dict[str, float] = {}
+        for pid, name, _ in group_processes(self.pgid):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                fields = stat[stat.rindex(")") + 2:].split()
+                thread = "main" if int(tid) == pid else stat[stat.index("(") + 1:stat.rindex(")")]
+                key = f"{name}/{thread}"
+                out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return out
+
+    def __enter__(self):
+        self.t0 = self._read()
+        return self
+
+    def __exit__(self, *exc):
+        t1 = self._read()
+        delta = {k: round(v - self.t0.get(k, 0.0), 2) for k, v in t1.items()}
+        self.cpu_s = {k: v for k, v in sorted(delta.items(), key=lambda kv: -kv[1]) if v >= 0.05}
+
+
 def physical_cores() -> List[List[int]]:
     """The host's logical CPUs grouped by physical core (hyperthread siblings together)."""
     allowed, seen, out = set(os.sched_getaffinity(0)), set(), []
@@ -443,22 +481,23 @@ def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
             how = r.split("-", 1)[1] if "-" in r else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
             spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
-            with CoreMeter() as cores:
+            with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
                 s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
             if how:
                 tune_writer(srv.proc.pid, "reset")
             if spy is not None:
                 spy.wait(30)
-            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned})
+            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned,
+                           "thread_cpu_s": threads.cpu_s})
             print(json.dumps(rounds[-1]), flush=True)
     else:
         send_chat(srv.url, data, warm=True, fraction=1.0, tag="w")
         for i, r in enumerate(CHAT_ALT_ROUNDS.split(",")):
             flush_cache(srv.url)  # every round starts from an empty prefix cache
             fraction = 0.0 if r == "off" else int(r[2:]) / 100
-            with CoreMeter() as cores:
+            with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
                 s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}")
-            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores})
+            rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "thread_cpu_s": threads.cpu_s})
             print(json.dumps(rounds[-1]), flush=True)
     return rounds
 

@@ -63,7 +63,10 @@ class ServerThreads:
         self._lock = threading.Lock()
 
     def tick(self, role: str) -> None:
-        self._cpu[threading.get_ident()] = (role, time.thread_time())
+        ident = threading.get_ident()
+        if ident not in self._cpu:
+            name_os_thread(threading.current_thread().name)
+        self._cpu[ident] = (role, time.thread_time())
 
     def wait_for_copy(self, ready: Callable[[], T]) -> T:
         t0 = time.perf_counter()
@@ -87,6 +90,17 @@ class ServerThreads:
         parts = ", ".join(f"{ROLE_LABELS[r]} {report[r + '_cpu_s']:.3f} s" for r in ROLES)
         return (f"capture's threads in the server's process used {parts} of CPU "
                 f"(waiting for device copies {report['copy_wait_s']:.3f} s)")
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread its Python name in the OS too (Linux: 15 characters), so that
+    `top -H` and /proc/PID/task show capture's threads apart from SGLang's."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
 
 
 # the CUDA caching allocator's slow paths (torch.cuda.memory_stats keys)
