@@ -310,7 +310,7 @@ def hscap_parse(words: list, monkeypatch) -> tuple:
 SGLANG_PARSE = """
 import argparse, contextlib, io, json, sys
 from sglang.srt.server_args import ServerArgs
-bad = []
+said = []
 for args in json.loads(sys.stdin.read()):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -318,14 +318,16 @@ for args in json.loads(sys.stdin.read()):
     try:
         with contextlib.redirect_stderr(err):
             parser.parse_args(args)
+        said.append("")
     except SystemExit:
-        bad.append(" ".join(args) + ": " + err.getvalue().strip().splitlines()[-1])
-print(json.dumps(bad))
+        said.append(" ".join(args) + ": " + err.getvalue().strip().splitlines()[-1])
+print(json.dumps(said))
 """
 
 
-@pytest.mark.parametrize("where,block", BLOCKS["deployment"], ids=[w for w, _ in BLOCKS["deployment"]])
-def test_deployment_block_parses(where, block, monkeypatch):
+def deployment_commands(block: str, monkeypatch) -> tuple:
+    """(what hscap's own CLI says of each command of a deployment block, '' where it parses;
+    the SGLang argument lists the block hands to the server)."""
     problems, server_args = [], []
     for words in shell_commands(block):
         problem, parsed = hscap_parse(words, monkeypatch) if words[0] == "hscap" else ("", {})
@@ -333,11 +335,32 @@ def test_deployment_block_parses(where, block, monkeypatch):
         args = sglang_arguments(words, parsed)
         if args is not None:
             server_args.append(args)
-    if server_args:
-        res = subprocess.run([sys.executable, "-c", SGLANG_PARSE], input=json.dumps(server_args), capture_output=True,
-                             text=True, timeout=300, cwd=REPO)
-        assert res.returncode == 0, res.stderr[-3000:]
-        problems += json.loads(res.stdout.strip().splitlines()[-1])
+    return problems, server_args
+
+
+@pytest.fixture(scope="module")
+def sglang_parsed():
+    """What SGLang's own parser says of every argument list of every deployment block ('' where
+    it parses), keyed by the list as JSON: one interpreter for all of them, as importing
+    SGLang's server arguments takes ~10 s on this CPU and each list gets a parser of its own."""
+    lists = []
+    with pytest.MonkeyPatch.context() as mp:
+        for _, block in BLOCKS["deployment"]:
+            lists += [args for args in deployment_commands(block, mp)[1] if args not in lists]
+    if not lists:
+        return {}
+    res = subprocess.run([sys.executable, "-c", SGLANG_PARSE], input=json.dumps(lists), capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(said) == len(lists), res.stdout[-3000:]
+    return {json.dumps(args): s for args, s in zip(lists, said)}
+
+
+@pytest.mark.parametrize("where,block", BLOCKS["deployment"], ids=[w for w, _ in BLOCKS["deployment"]])
+def test_deployment_block_parses(where, block, monkeypatch, sglang_parsed):
+    problems, server_args = deployment_commands(block, monkeypatch)
+    problems += [sglang_parsed[json.dumps(args)] for args in server_args]
     problems = [p for p in problems if p]
     assert not problems, f"{where}:\n" + "\n".join(problems)
     pytest.skip(f"{where}: a GPU deployment's paths and models; its hscap commands and SGLang arguments parse, "
