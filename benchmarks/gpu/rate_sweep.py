@@ -87,6 +87,9 @@ SERVERS: Dict[str, tuple] = {
     "alt-pre3-t4": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "4"}, "shm", "alt"),
     "split-pre3": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "split-alt"),
     "split-three": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "split-alt"),
+    # the forwards send each step whose copy is done: no hand-off thread waking per step
+    "alt-pre3-fwd": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
+    "alt-three-fwd": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
     # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)

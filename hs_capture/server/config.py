@@ -18,6 +18,7 @@ DIR_VARS = ("HSCAP_DIR", "SGLANG_HS_DUMP_DIR")  # the second is the seed deploym
 ON_FULL_POLICIES = ("block", "drop")
 BACKLOG_POLICIES = ("raw", "off")
 WRITERS = ("process", "thread")
+HANDOFFS = ("thread", "forward")
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,10 @@ class CaptureConfig:
     # where the writing runs: a process of the rank's own (its threads off the scheduler's
     # interpreter lock), or threads of the server's process
     writer: str = "process"
+    # how a step reaches the writer process: a thread of the server's process waits for each
+    # step's copy and sends it ("thread"), or the forwards send the steps whose copies are done,
+    # with no thread of ours waking per step ("forward"; a timer sends the last ones)
+    handoff: str = "thread"
     # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
     # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
     # always compresses
@@ -193,6 +198,9 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     writer = env.get("HSCAP_WRITER", "process").strip() or "process"
     if writer not in WRITERS:
         raise ConfigError(f"HSCAP_WRITER={writer!r}: choose process (the default) or thread")
+    handoff = env.get("HSCAP_HANDOFF", "thread").strip() or "thread"
+    if handoff not in HANDOFFS:
+        raise ConfigError(f"HSCAP_HANDOFF={handoff!r}: choose thread (the default) or forward")
     return CaptureConfig(
         dump_dir=os.path.abspath(dump_dir),
         run_id=run_id,
@@ -203,6 +211,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         max_inflight_bytes=_int(env, "HSCAP_MAX_INFLIGHT_MB", 0, 0, 1 << 20) << 20,
         on_full=on_full,
         writer=writer,
+        handoff=handoff,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),

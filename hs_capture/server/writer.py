@@ -224,7 +224,7 @@ class ShardWriter:
                 **self._held_by(),  # over the whole run (the warning says it once)
                 "peak_inflight_bytes": self._backlog.budget.peak,
                 "inflight_budget_bytes": self._backlog.budget.limit,
-                "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer,
+                "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer, "handoff": self.cfg.handoff,
                 "forward_cost": self.cost.report(),
                 "server_threads": self._sink.threads.report(),
                 "cuda_allocator": self._allocator.report(),

@@ -16,9 +16,11 @@ server stops capture loudly and serves on; a step not indexed was never written.
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -43,6 +45,10 @@ START_TIMEOUT_S = 60.0
 # The writer runs below the server's priority: when the host's cores are short, the server's
 # own processes come first (a writer that falls behind holds forwards, which is reported).
 NICE = 5
+# hand-off "forward": how long a step whose copy was still running at the last forward may
+# wait to be sent (the thread that hears the writer wakes this often, idle or not: a wait
+# without a timeout could miss a step queued just before it began)
+TAIL_S = 0.05
 
 
 class ProcessSink:
@@ -60,6 +66,9 @@ class ProcessSink:
         self._jobs_lock = threading.Lock()
         self._next_job = 0
         self._outbox: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._forward = cfg.handoff == "forward"  # no hand-off thread: the forwards send (_pump)
+        self._pending: "collections.deque[tuple]" = collections.deque()
+        self._pump_lock = threading.Lock()
         self._closing = False
         self._closed_reply: Optional[tuple] = None
         self._ended = threading.Event()
@@ -87,8 +96,9 @@ class ProcessSink:
         if msg[0] != "ready":
             raise ConfigError(f"the writer process refused to start: {msg[1]}")
         log.info("rank %s: writer process %d started (%d threads)", self.rank.tag, self._proc.pid, self.cfg.writer_threads)
-        self._threads = [threading.Thread(target=self._send_steps, name="hscap-send", daemon=True),
-                         threading.Thread(target=self._hear, name="hscap-hear", daemon=True)]
+        self._threads = [threading.Thread(target=self._hear, name="hscap-hear", daemon=True)]
+        if not self._forward:
+            self._threads.append(threading.Thread(target=self._send_steps, name="hscap-send", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -103,10 +113,17 @@ class ProcessSink:
             job = self._next_job
             self._next_job += 1
             self._jobs[job] = (staged, done)
-        self._outbox.put((job, step, line, staged, aux_layers))
+        self._queue((job, step, line, staged, aux_layers))
 
     def drop(self, step: int, line: IndexLine) -> None:
-        self._outbox.put((None, step, line, None, None))
+        self._queue((None, step, line, None, None))
+
+    def _queue(self, item: tuple) -> None:
+        if self._forward:
+            self._pending.append(item)
+            self._pump()
+        else:
+            self._outbox.put(item)
 
     def _send(self, msg: tuple, fds: List[int] = ()) -> bool:
         try:
@@ -116,28 +133,57 @@ class ProcessSink:
             return False  # the child is gone: _hear says so
 
     def _send_steps(self) -> None:
-        """In order: wait for each step's device copy (off the forward), then send it."""
+        """The hand-off thread: in order, wait for each step's device copy (off the forward),
+        then send it."""
         while True:
             item = self._outbox.get()
             self.threads.tick("handoff")  # its CPU time up to here
             if item is None:
                 return
-            job, step, line, staged, aux_layers = item
-            if job is None:
-                self._send(("drop", step, line))
-                continue
-            try:
-                self.threads.wait_for_copy(staged.ready)
-            except Exception as e:  # the copy failed: the step is not written, the server goes on
-                self.failure = f"{type(e).__name__}: {e}"
-                self._finish_job(job)
-                continue
-            if not self._send(("step", job, step, line, staged.buffer.ident, staged.layout, aux_layers, staged.nbytes)):
-                self._finish_job(job)
+            self._send_item(item)
+
+    def _pump(self, wait: bool = False) -> None:
+        """Hand-off "forward": send, in order, the queued steps whose copies are done (`wait`:
+        all of them, waiting for their copies). Whoever holds the lock sends; the others go on."""
+        if not self._pump_lock.acquire(blocking=wait):
+            return
+        try:
+            while self._pending:
+                item = self._pending[0]
+                staged = item[3]
+                if not wait and item[0] is not None and not _copied(staged):
+                    return
+                self._pending.popleft()
+                self._send_item(item)
+        finally:
+            self._pump_lock.release()
+
+    def _send_item(self, item: tuple) -> None:
+        job, step, line, staged, aux_layers = item
+        if job is None:
+            self._send(("drop", step, line))
+            return
+        try:
+            self.threads.wait_for_copy(staged.ready)
+        except Exception as e:  # the copy failed: the step is not written, the server goes on
+            self.failure = f"{type(e).__name__}: {e}"
+            self._finish_job(job)
+            return
+        if not self._send(("step", job, step, line, staged.buffer.ident, staged.layout, aux_layers, staged.nbytes)):
+            self._finish_job(job)
 
     # ------------------------------------------------------------- writer -> server
     def _hear(self) -> None:
         while True:
+            if self._forward:
+                try:
+                    readable = select.select([self._chan.sock], [], [], TAIL_S)[0]
+                except (OSError, ValueError):
+                    break
+                if not readable:  # no reply: send the steps owed whose copies are done
+                    if self._pending:
+                        self._pump()
+                    continue
             try:
                 msg, _ = self._chan.recv()
             except (EOFError, OSError):
@@ -149,6 +195,8 @@ class ProcessSink:
                 if stopped and not self.stopped:
                     self.stopped = stopped
                 self._finish_job(job)
+                if self._forward:
+                    self._pump()
             elif msg[0] == "closed":
                 self._closed_reply = msg
                 self.stats = msg[2]
@@ -190,9 +238,11 @@ class ProcessSink:
     def close(self, timeout: float, forward: Callable[[], Dict[str, Any]]) -> bool:
         """forward: the server side's counters, read once the hand-off thread has drained."""
         self._closing = True
-        self._outbox.put(None)
-        for t in self._threads[:1]:
-            t.join(timeout)
+        if self._forward:
+            self._pump(wait=True)
+        else:
+            self._outbox.put(None)
+            self._threads[-1].join(timeout)
         if not self._ended.is_set():
             self._send(("close", timeout, forward()))
             self._ended.wait(timeout + 10)
@@ -204,6 +254,17 @@ class ProcessSink:
         if self._chan is not None:
             self._chan.close()
         return bool(self._closed_reply and self._closed_reply[1])
+
+
+def _copied(staged: Any) -> bool:
+    """The step's device copy is done (a failed one counts as done: sending it finds the error)."""
+    event = getattr(staged, "event", None)
+    if event is None:
+        return True
+    try:
+        return bool(event.query())
+    except Exception:
+        return True
 
 
 # ----------------------------------------------------------------- the child
