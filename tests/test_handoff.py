@@ -1,8 +1,9 @@
 """HSCAP_HANDOFF=forward: the forwards send the writer process the steps whose device copies
-are done, and no thread of capture's wakes per step in the server's process. A copy still
-running at the last forward is sent by the timer of the thread that hears the writer; a close
-sends every step it owes. The copies here finish on a clock (as a side-stream copy does while
-the forward goes on), so the test sees whether anything waited for them."""
+are done and read its replies, and no thread of capture's wakes per step in the server's
+process. Once the steps stop, the replies thread sends the last ones; a forward held by the
+budget reads the replies that free it; a close sends every step owed; a dead writer lets a
+held forward go. The copies here finish on a clock (as a side-stream copy does while the
+forward goes on), so the tests see whether anything waited for them."""
 
 import threading
 import time
@@ -15,12 +16,12 @@ from hs_capture.server import config
 from hs_capture.server.config import CaptureConfig, ConfigError
 from hs_capture.server.staging import CpuCopy
 from hs_capture.server.writer import ShardWriter
-from hs_capture.server.writer_process import TAIL_S
+from hs_capture.server.writer_process import ACTIVE_S, TAIL_S
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import RankMeta
 from tests.sglang_cpu.stitch import stitch
 from tests.test_writer import H, step
-from tests.test_writer_process import meta_of
+from tests.test_writer_process import meta_of, shims_on_path  # noqa: F401 (a fixture)
 
 COPY_S = 0.3  # how long each step's "device copy" runs after its forward
 
@@ -98,3 +99,44 @@ def test_the_handoff_setting_is_checked_and_recorded():
     assert config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r", "HSCAP_HANDOFF": "forward"}).handoff == "forward"
     with pytest.raises(ConfigError, match="HSCAP_HANDOFF='later': choose thread"):
         config.load({"HSCAP_DIR": "/x", "HSCAP_RUN_ID": "r", "HSCAP_HANDOFF": "later"})
+
+
+def test_a_forward_held_by_the_budget_hears_the_writer_itself(tmp_path):
+    """No thread hears the writer while steps come: a forward the in-flight budget holds reads
+    the replies that free it, so back-pressure costs no timer's period a step."""
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 100)[1].values())
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, handoff="forward",
+                        max_inflight_bytes=int(one_step * 1.5))
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H))
+    w.start()
+    t0 = time.monotonic()
+    for k in range(12):
+        assert w.submit(*step(f"r{k}", 100), aux_layers=[1, 2])
+    elapsed = time.monotonic() - t0
+    assert w.close()
+    assert w.stats["steps_written"] == 12 and w.cost.report()["budget_wait_s"] > 0  # it was held
+    assert elapsed < 12 * ACTIVE_S / 2, elapsed  # not a replies-thread period per held step
+
+
+def test_a_dead_writer_lets_a_held_forward_go_and_stops_capture_loudly(tmp_path, monkeypatch, shims_on_path, caplog):
+    monkeypatch.setenv("HSCAP_TEST_SLOW_DISK_MS", "3000")
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 100)[1].values())
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False, handoff="forward",
+                        writer_threads=1, max_inflight_bytes=int(one_step * 2.5))
+    w = ShardWriter(cfg, RankId(0, 0, 0), RankMeta(layers=[1, 2], hidden_size=H))
+    w.start()
+    for k in range(2):
+        assert w.submit(*step(f"r{k}", 100), aux_layers=[1, 2])
+    held = threading.Event()
+    threading.Thread(target=lambda: (w.submit(*step("r2", 100), aux_layers=[1, 2]), held.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not held.is_set()  # the budget is full: it waits for the writer, which is about to die
+    w._sink._proc.kill()
+    assert held.wait(10)
+    deadline = time.time() + 10
+    while not w.stopped and time.time() < deadline:
+        time.sleep(0.05)
+    assert w.stopped and "writer process exited" in w.stopped["reason"] and "capture STOPPED" in caplog.text
+    assert not w.submit(*step("r3", 8), aux_layers=[1, 2])
+    w.close(5)
+    assert "writer process exited" in meta_of(w)["capture_stopped"]["reason"]

@@ -11,13 +11,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, Optional, Tuple
+from typing import Callable, Deque, Dict, Optional, Tuple
 
 # Forwards held this long in total: the writer is behind even with raw writes.
 DISK_BOUND_AFTER_S = 1.0
 # The report's rates are over the steps of this last stretch, not since the first step: a
 # server idle between sends would otherwise report a fraction of what its disk writes.
 RATE_WINDOW_S = 10.0
+
+
+def wait_or_serve(cond: threading.Condition, serve: Optional[Callable[[], None]]) -> None:
+    """Wait on `cond` (held) for a notify; or, where a waiting forward must itself hear the
+    writer (writer_process's hand-off "forward"), release it and run `serve` once."""
+    if serve is None:
+        cond.wait()
+        return
+    cond.release()
+    try:
+        serve()
+    finally:
+        cond.acquire()
 
 
 class Budget:
@@ -30,6 +43,7 @@ class Budget:
         self.waited_s = 0.0  # time forwards spent held by back-pressure
         self._cond = threading.Condition()
         self._aborted = False
+        self.wait_with: Optional[Callable[[], None]] = None  # as staging.PinnedPool's
 
     def acquire(self, n: int, block: bool) -> bool:
         """False: full and not blocking, or aborted (the writer is gone)."""
@@ -39,7 +53,7 @@ class Budget:
                     return False
                 t0 = time.monotonic()
                 while self.used and self.used + n > self.limit and not self._aborted:
-                    self._cond.wait()
+                    wait_or_serve(self._cond, self.wait_with)
                 self.waited_s += time.monotonic() - t0
             if self._aborted:
                 return False

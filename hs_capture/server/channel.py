@@ -7,14 +7,25 @@ descriptors ride on the first. A closed peer reads as EOFError.
 
 from __future__ import annotations
 
+import array
 import pickle
 import socket
 import threading
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 _PACKET = 32 << 10  # under the default socket buffer, whatever the host's limits
 _MORE, _LAST = b"\x01", b"\x00"
 _MAX_FDS = 16
+
+
+def _recv_fds(sock: socket.socket, flags: int) -> Tuple[bytes, List[int]]:
+    """One packet and its descriptors (socket.recv_fds, which drops `flags` before Python 3.12)."""
+    fds = array.array("i")
+    data, ancdata, _flags, _addr = sock.recvmsg(_PACKET + 1, socket.CMSG_LEN(_MAX_FDS * fds.itemsize), flags)
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
 
 
 class Channel:
@@ -45,9 +56,22 @@ class Channel:
 
     def recv(self) -> Tuple[Any, List[int]]:
         """The next message and the descriptors that came with it. EOFError: the peer is gone."""
+        return self._recv(0)
+
+    def try_recv(self) -> Optional[Tuple[Any, List[int]]]:
+        """recv without waiting: None when no message has come (the rest of a message that has
+        begun is waited for: its packets were sent together)."""
+        try:
+            return self._recv(socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+
+    def _recv(self, first_flags: int) -> Tuple[Any, List[int]]:
         parts, fds = [], []
+        flags = first_flags
         while True:
-            data, got, _flags, _addr = socket.recv_fds(self.sock, _PACKET + 1, _MAX_FDS)
+            data, got = _recv_fds(self.sock, flags)
+            flags = 0
             if not data:
                 raise EOFError("the peer closed the channel")
             fds += got

@@ -29,6 +29,7 @@ from typing import Callable, Collection, Dict, List, Optional, Protocol
 import torch
 
 from hs_capture.dump.hst import dtype_name
+from hs_capture.server.backlog import wait_or_serve
 from hs_capture.server.step_files import Placed
 
 ALIGN = 256  # each tensor of a step starts on this boundary of its step's buffer
@@ -119,6 +120,9 @@ class PinnedPool:
         self.buffers = 0  # made so far; those not in `_free` are in flight
         self.hot_allocs = 0  # allocations a forward had to wait for
         self.waited_s = 0.0  # time forwards waited for a buffer to come back
+        # what a waiting forward does instead of sleeping (the writer's replies, read by the
+        # forward itself, give the buffers back: writer_process's hand-off "forward")
+        self.wait_with: Optional[Callable[[], None]] = None
 
     rounded = staticmethod(HostBuffer.size_for)  # what a buffer of nbytes actually takes
 
@@ -156,7 +160,7 @@ class PinnedPool:
                 if not block:
                     return None
                 t0 = time.monotonic()
-                self._cond.wait()
+                wait_or_serve(self._cond, self.wait_with)
                 self.waited_s += time.monotonic() - t0
         return self._alloc(nbytes)
 

@@ -127,6 +127,8 @@ class ShardWriter:
         self._allocator.start()
         try:
             self._sink.start(self.run_meta)
+            if self.cfg.handoff == "forward":  # no thread hears the writer while a forward waits
+                self._stager.pool.wait_with = self._backlog.budget.wait_with = self._sink.wait_for_writer
         except Exception as e:
             if not isinstance(self._sink, ProcessSink):
                 raise

@@ -45,9 +45,14 @@ START_TIMEOUT_S = 60.0
 # The writer runs below the server's priority: when the host's cores are short, the server's
 # own processes come first (a writer that falls behind holds forwards, which is reported).
 NICE = 5
-# hand-off "forward": how long a step whose copy was still running at the last forward may
-# wait to be sent (the thread that hears the writer wakes this often, idle or not: a wait
-# without a timeout could miss a step queued just before it began)
+# Hand-off "forward": while steps come, the forwards send them and read the writer's replies
+# without waiting, and no thread of ours wakes per step: a Python thread that wakes for the
+# interpreter lock beside the scheduler's thread, which releases it at every torch call, costs
+# that thread far more than its own work. The replies thread wakes every ACTIVE_S to see
+# whether the steps have stopped (none for QUIET_S); then it reads the replies and sends the
+# steps owed, waking for each (TAIL_S at most while a copy runs).
+ACTIVE_S = 0.5
+QUIET_S = 0.05
 TAIL_S = 0.05
 
 
@@ -69,6 +74,10 @@ class ProcessSink:
         self._forward = cfg.handoff == "forward"  # no hand-off thread: the forwards send (_pump)
         self._pending: "collections.deque[tuple]" = collections.deque()
         self._pump_lock = threading.Lock()
+        self._read_lock = threading.Lock()  # one reader of the replies at a time
+        self._last_step = 0.0  # when a forward last handed a step over (monotonic)
+        self._wake = threading.Event()  # the forwards found the writer gone
+        self._gone = False
         self._closing = False
         self._closed_reply: Optional[tuple] = None
         self._ended = threading.Event()
@@ -120,10 +129,21 @@ class ProcessSink:
 
     def _queue(self, item: tuple) -> None:
         if self._forward:
+            self._last_step = time.monotonic()
             self._pending.append(item)
+            self._read_replies(0.0)
             self._pump()
         else:
             self._outbox.put(item)
+
+    def wait_for_writer(self) -> None:
+        """Hand-off "forward": a forward waits for a host buffer or the in-flight budget; it
+        reads the writer's replies itself (they free what it waits for) and sends what is owed."""
+        self._last_step = time.monotonic()
+        self._read_replies(TAIL_S)
+        self._pump()
+        if self._gone:
+            time.sleep(0.01)  # the replies thread is recording the loss and will wake it
 
     def _send(self, msg: tuple, fds: List[int] = ()) -> bool:
         try:
@@ -174,36 +194,69 @@ class ProcessSink:
 
     # ------------------------------------------------------------- writer -> server
     def _hear(self) -> None:
-        while True:
-            if self._forward:
+        if self._forward:
+            self._hear_when_quiet()
+        else:
+            while True:
                 try:
-                    readable = select.select([self._chan.sock], [], [], TAIL_S)[0]
-                except (OSError, ValueError):
+                    msg, _ = self._chan.recv()
+                except (EOFError, OSError):
                     break
-                if not readable:  # no reply: send the steps owed whose copies are done
-                    if self._pending:
-                        self._pump()
-                    continue
-            try:
-                msg, _ = self._chan.recv()
-            except (EOFError, OSError):
-                break
-            self.threads.tick("replies")
-            if msg[0] == "done":
-                _, job, stats, stopped, failure = msg
-                self.stats, self.failure = stats, failure or self.failure
-                if stopped and not self.stopped:
-                    self.stopped = stopped
-                self._finish_job(job)
-                if self._forward:
-                    self._pump()
-            elif msg[0] == "closed":
-                self._closed_reply = msg
-                self.stats = msg[2]
+                self.threads.tick("replies")
+                self._on_reply(msg)
         self._ended.set()
         if not self._closed_reply and not self._closing:
             self._lost()
         self._finish_all()
+
+    def _hear_when_quiet(self) -> None:
+        while not self._gone:
+            if time.monotonic() - self._last_step < QUIET_S:  # steps are coming: the forwards serve
+                self._wake.wait(ACTIVE_S)
+                continue
+            self.threads.tick("replies")
+            self._read_replies(TAIL_S if self._pending else ACTIVE_S)
+            self._pump()
+
+    def _read_replies(self, wait: float) -> None:
+        """Every reply that has come (first waiting up to `wait` seconds for one, if any is
+        owed); the writer's end is noted for the replies thread."""
+        if not self._read_lock.acquire(blocking=wait > 0):
+            return
+        try:
+            if wait > 0:
+                try:
+                    if not select.select([self._chan.sock], [], [], wait)[0]:
+                        return
+                except (OSError, ValueError):
+                    self._note_gone()
+                    return
+            while True:
+                try:
+                    got = self._chan.try_recv()
+                except (EOFError, OSError):
+                    self._note_gone()
+                    return
+                if got is None:
+                    return
+                self._on_reply(got[0])
+        finally:
+            self._read_lock.release()
+
+    def _note_gone(self) -> None:
+        self._gone = True
+        self._wake.set()
+
+    def _on_reply(self, msg: tuple) -> None:
+        if msg[0] == "done":
+            _, job, stats, stopped, failure = msg
+            self.stats, self.failure = stats, failure or self.failure
+            if stopped and not self.stopped:
+                self.stopped = stopped
+            self._finish_job(job)
+        elif msg[0] == "closed":
+            self._closed_reply = msg
+            self.stats = msg[2]
 
     def _finish_job(self, job: int) -> None:
         with self._jobs_lock:
@@ -240,6 +293,7 @@ class ProcessSink:
         self._closing = True
         if self._forward:
             self._pump(wait=True)
+            self._last_step = 0.0  # the replies thread hears the rest
         else:
             self._outbox.put(None)
             self._threads[-1].join(timeout)
