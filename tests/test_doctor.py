@@ -15,30 +15,66 @@ sys.path.insert(0, SHIMS)  # the import-only vllm stand-in SGLang needs on a CPU
 HOOK = os.path.join(REPO, "hs_capture", "sitecustomize")
 
 
-def doctor(tmp_path, *flags, pythonpath=None, dump=True):
+def start_doctor(tmp_path, *flags, pythonpath=None, dump=True) -> subprocess.Popen:
+    """`hscap doctor --json [-- flags]` in a fresh interpreter (the hook is loaded at its start)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_"))}
     env["PYTHONPATH"] = os.pathsep.join(pythonpath if pythonpath is not None else [HOOK])
     env["TORCHDYNAMO_DISABLE"] = "1"
     if dump:
         env["HSCAP_DIR"] = str(tmp_path / "dump")
     cmd = [sys.executable, "-m", "hs_capture.cli", "doctor", "--json"] + (["--", *flags] if flags else [])
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
-    doc = json.loads(out.stdout.strip().splitlines()[-1])
-    return out.returncode, {f["topic"]: f for f in doc["findings"]}
+    # its output to files: several run at once, and a full pipe would stop one the test is not reading yet
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
 
 
-@pytest.fixture
-def other_sitecustomize(tmp_path):
-    d = tmp_path / "site"
-    d.mkdir()
-    (d / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE_RAN'] = '1'\n")
-    return str(d)
+def doctor_result(tmp_path, proc: subprocess.Popen) -> tuple:
+    """(exit code, findings by topic) of a doctor started in that dir."""
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out, err = (tmp_path / "out").read_text(), (tmp_path / "err").read_text()
+    assert "Traceback" not in err, err[-3000:]
+    doc = json.loads(out.strip().splitlines()[-1])
+    return proc.returncode, {f["topic"]: f for f in doc["findings"]}
 
 
-def test_a_ready_environment_and_what_the_flags_mean(tmp_path, other_sitecustomize):
-    code, f = doctor(tmp_path, "--model-path", "m", "--tp", "2", "--disable-radix-cache", "--disable-cuda-graph",
-                     pythonpath=[HOOK, other_sitecustomize])
+@pytest.fixture(scope="module")
+def doctored(tmp_path_factory):
+    """Every environment the tests below run `hscap doctor` in, each in a process of its own,
+    all started at once: each imports SGLang (~13 s of one core here), which leaves the
+    machine's other cores idle. Returns (name -> (exit code, findings by topic), the user's
+    own sitecustomize dir)."""
+    root = tmp_path_factory.mktemp("doctor")
+    other = root / "site"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['OTHER_SITE_RAN'] = '1'\n")
+    other = str(other)
+    calls = {
+        "ready": (("--model-path", "m", "--tp", "2", "--disable-radix-cache", "--disable-cuda-graph"),
+                  {"pythonpath": [HOOK, other]}),
+        "shadowed": ((), {"pythonpath": [other, HOOK]}),
+        "no hook": ((), {"pythonpath": []}),
+        "no dump dir": ((), {"dump": False}),
+        "no target": (("--model-path", _checkpoint(root, "gpt2", "GPT2LMHeadModel"), "--disable-cuda-graph"), {}),
+    }
+    procs = {}
+    try:
+        for name, (flags, kw) in calls.items():
+            (root / name.replace(" ", "-")).mkdir()
+            procs[name] = start_doctor(root / name.replace(" ", "-"), *flags, **kw)
+        return {name: doctor_result(root / name.replace(" ", "-"), p) for name, p in procs.items()}, other
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_ready_environment_and_what_the_flags_mean(doctored):
+    (code, f), other_sitecustomize = doctored[0]["ready"], doctored[1]
     assert code == 0
     assert f["sglang"]["status"] == "ok" and "0.5.23" in f["sglang"]["detail"]
     assert f["target DeepseekV2ForCausalLM"]["status"] == "ok"
@@ -83,12 +119,12 @@ def test_flags_that_break_or_thin_capture(tmp_path, monkeypatch, flags, topic, s
         assert f[topic].action
 
 
-def test_a_shadowed_hook_or_no_dump_dir_blocks(tmp_path, other_sitecustomize):
-    code, f = doctor(tmp_path, pythonpath=[other_sitecustomize, HOOK])
+def test_a_shadowed_hook_or_no_dump_dir_blocks(doctored):
+    code, f = doctored[0]["shadowed"]
     assert code == 1 and f["sitecustomize"]["status"] == "block" and "shadows the hook" in f["sitecustomize"]["detail"]
-    code, f = doctor(tmp_path, pythonpath=[])
+    code, f = doctored[0]["no hook"]
     assert code == 1 and f["sitecustomize"]["status"] == "block" and "PYTHONPATH" in f["sitecustomize"]["action"]
-    code, f = doctor(tmp_path, dump=False)
+    code, f = doctored[0]["no dump dir"]
     assert code == 1 and f["settings"]["status"] == "block" and "HSCAP_DIR" in f["settings"]["detail"]
 
 
@@ -114,8 +150,8 @@ def test_every_family_is_found_and_the_served_model_is_judged(tmp_path, monkeypa
     assert f["model"].status == "ok" and f"the {family} target" in f["model"].detail
 
 
-def test_a_model_no_target_captures_blocks(tmp_path):
-    code, f = doctor(tmp_path, "--model-path", _checkpoint(tmp_path, "gpt2", "GPT2LMHeadModel"), "--disable-cuda-graph")
+def test_a_model_no_target_captures_blocks(doctored):
+    code, f = doctored[0]["no target"]
     assert code == 1
     assert f["model"]["status"] == "block" and "GPT2LMHeadModel is not a target" in f["model"]["detail"]
     assert "LlamaForCausalLM" in f["model"]["action"]
