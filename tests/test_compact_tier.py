@@ -37,7 +37,7 @@ def fp8_dump(tiny_model, tmp_path_factory):
     d = str(root / "dump")
     srv = serve_and_send(tiny_model, server_env(d, HSCAP_LAYERS="2,3,5", HSCAP_PRENORM="1", HSCAP_STORE="fp8"),
                          root, ["--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows),
-                         concurrency=4)
+                         concurrency=4, warmup=False)
     return {"dir": d, "rows": rows, "data": data, "log": srv.log(), "root": root}
 
 

@@ -109,7 +109,8 @@ def sent_twice(tiny_model, tmp_path_factory):
     data = write_jsonl(root / "data.jsonl", rows)
     dump = str(root / "dump")
     serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3", HSCAP_CACHE_NAMESPACE="0"), root,
-                   ["--chunked-prefill-size", "128"], data, len(rows), concurrency=2, times=2)  # radix cache on
+                   ["--chunked-prefill-size", "128"], data, len(rows), concurrency=2, times=2,
+                   warmup=False)  # radix cache on
     return {"dump": dump, "data": data, "rows": rows, "root": root, "model": tiny_model}
 
 

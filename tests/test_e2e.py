@@ -123,7 +123,8 @@ def test_radix_cache_hits_are_reported_incomplete_never_wrong(tiny_model, tmp_pa
     dump = str(tmp_path / "dump")
     rows = make_dataset()[-12:]  # the prefix-sharing samples
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)), HSCAP_CACHE_NAMESPACE="0"),
-                 str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)])  # the plain command: radix cache on
+                 str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)],
+                 warmup=False)  # the plain command: radix cache on
     try:
         srv.wait_healthy()
         for donor in (rows[0], rows[8]):  # cache each shared prefix first

@@ -68,7 +68,7 @@ def test_kill_9_mid_capture_loses_nothing_committed_and_a_resend_completes_it(ti
     dump = str(tmp_path / "dump")
     # A slow disk keeps steps queued in memory when the kill comes.
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_TEST_SLOW_DISK_MS="150"),
-                 str(tmp_path / "s1.log"), CHUNK)
+                 str(tmp_path / "s1.log"), CHUNK, warmup=False)
     sender = None
     try:
         srv.wait_healthy()
@@ -98,7 +98,7 @@ def test_kill_9_mid_capture_loses_nothing_committed_and_a_resend_completes_it(ti
     assert s["written"] == len(rows) - len(lost) and s["incomplete"] == len(lost)
 
     # restart (a new run in the same dir) and re-send: only what is missing goes out
-    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(tmp_path / "s2.log"), CHUNK)
+    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(tmp_path / "s2.log"), CHUNK, warmup=False)
     try:
         srv.wait_healthy()
         rc, summary = hscap_send(data, "--url", srv.url, "-c", "4", "--dump-dir", dump,
@@ -125,7 +125,7 @@ def test_full_disk_stops_capture_loudly_and_the_server_keeps_serving(tiny_model,
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     dump = os.path.join(small_fs, "dump")
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_MIN_FREE_GB=floor, HSCAP_FSYNC="0"),
-                 str(tmp_path / "s.log"), CHUNK)
+                 str(tmp_path / "s.log"), CHUNK, warmup=False)
     try:
         srv.wait_healthy()
         rc, summary = hscap_send(data, "--url", srv.url, "-c", "4", "--failures", str(tmp_path / "f.jsonl"))
@@ -152,7 +152,7 @@ def test_slow_disk_with_the_drop_policy_counts_and_reports_every_drop(tiny_model
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     dump = str(tmp_path / "dump")
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_ON_FULL="drop", HSCAP_MAX_INFLIGHT_MB="1",
-                                        HSCAP_TEST_SLOW_DISK_MS="400"), str(tmp_path / "s.log"), CHUNK)
+                                        HSCAP_TEST_SLOW_DISK_MS="400"), str(tmp_path / "s.log"), CHUNK, warmup=False)
     try:
         srv.wait_healthy()
         rc, summary = hscap_send(data, "--url", srv.url, "-c", "8", "--failures", str(tmp_path / "f.jsonl"))
@@ -177,8 +177,8 @@ def test_two_servers_on_one_dump_dir_never_clobber(tiny_model, tmp_path):
     data_a, data_b = write_jsonl(tmp_path / "a.jsonl", rows_a), write_jsonl(tmp_path / "b.jsonl", rows_b)
     dump = str(tmp_path / "dump")
     env = server_env(dump, HSCAP_LAYERS="1,3,5")
-    a = Server(tiny_model, env, str(tmp_path / "a.log"), CHUNK)
-    b = Server(tiny_model, env, str(tmp_path / "b.log"), CHUNK)
+    a = Server(tiny_model, env, str(tmp_path / "a.log"), CHUNK, warmup=False)
+    b = Server(tiny_model, env, str(tmp_path / "b.log"), CHUNK, warmup=False)
     try:
         a.wait_healthy()
         b.wait_healthy()
@@ -217,7 +217,7 @@ def test_hostile_rids_never_escape_and_merge_exactly_under_a_strict_umask(tiny_m
     dump = str(tmp_path / "dump")
     old = os.umask(0o027)  # the server and merge inherit it
     try:
-        srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(tmp_path / "s.log"), CHUNK)
+        srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5"), str(tmp_path / "s.log"), CHUNK, warmup=False)
         try:
             srv.wait_healthy()
             rc, summary = hscap_send(data, "--url", srv.url, "-c", "4", "--failures", str(tmp_path / "f.jsonl"))

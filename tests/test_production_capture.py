@@ -84,7 +84,7 @@ def served(tiny_model, tmp_path_factory):
     ids = {rid + s: t for turns in convs for rid, t in turns for s in SENDS}
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)),
                                         HSCAP_CAPTURE_FRACTION=str(QUARTER)),
-                 str(root / "server.log"), ["--chunked-prefill-size", str(CHUNK)])  # radix cache on
+                 str(root / "server.log"), ["--chunked-prefill-size", str(CHUNK)], warmup=False)  # radix cache on
     try:
         srv.wait_healthy()
         marked = {**send_conversations(srv.url, convs, "/marked", MARK),

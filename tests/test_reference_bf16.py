@@ -23,7 +23,8 @@ def bf16_dump(tmp_path_factory):
     data = write_jsonl(root / "data.jsonl", rows)
     dump = str(root / "dump")
     serve_and_send(model, server_env(dump, HSCAP_LAYERS="2,3,5"), root,
-                   ["--dtype", "bfloat16", "--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows))
+                   ["--dtype", "bfloat16", "--chunked-prefill-size", "128", "--disable-radix-cache"], data, len(rows),
+                   warmup=False)
     return {"model": model, "dump": dump, "data": data, "rows": rows}
 
 

@@ -98,7 +98,7 @@ def test_files_are_self_describing_and_named_by_rank_and_layer(captured):
 def test_without_hscap_dir_the_server_is_untouched(tiny_model, tmp_path):
     would_be = tmp_path / "would-be-dump"
     env = server_env(None)
-    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)])
+    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", str(CHUNK)], warmup=False)
     try:
         srv.wait_healthy()
         out = srv.generate("plain", list(range(2, 40)))
@@ -144,7 +144,7 @@ def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
     """A slow disk leaves steps queued when the orchestrator sends SIGTERM: none is lost."""
     dump = str(tmp_path / "dump")
     env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_SLOW_DISK_MS="400")
-    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", "64"])
+    srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", "64"], warmup=False)
     rng = random.Random(1)
     reqs = {f"s{i}": [rng.randrange(2, 1000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
     try:

@@ -57,7 +57,7 @@ def prepared(tiny_model, tmp_path_factory):
     assert order != [r["input_ids"] for r in rows]  # prepare_data shuffled them: the row order is its own
     dump = str(root / "dump")
     serve_and_send(tiny_model, server_env(dump, HSCAP_LAYERS="1,3,5", HSCAP_PRENORM="1"), root,
-                   ["--chunked-prefill-size", "64", "--disable-radix-cache"], data, len(rows))
+                   ["--chunked-prefill-size", "64", "--disable-radix-cache"], data, len(rows), warmup=False)
     return {"data": data, "dump": dump, "rows": rows, "order": order}
 
 

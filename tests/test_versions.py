@@ -35,7 +35,8 @@ def test_capture_matches_transformers(release, family, models_root, tmp_path):
     if python is None:
         pytest.skip(f"no venv for sglang {release}: bash bin/setup_sglang_venv.sh {release}")
     model = make_tiny(family, os.path.join(models_root, family), layers=LAYERS)
-    r = run_fidelity(model, str(tmp_path), LAYERS, python=python, extra_flags=SERVER_FLAGS.get(family, ()))
+    r = run_fidelity(model, str(tmp_path), LAYERS, python=python, extra_flags=SERVER_FLAGS.get(family, ()),
+                     warmup=False)
     assert r.sglang == release
     assert not r.problems, r.problems
     assert r.samples == 8

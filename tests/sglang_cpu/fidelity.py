@@ -39,12 +39,12 @@ class Fidelity:
 
 
 def run_fidelity(model_dir: str, workdir: str, num_layers: int, python: Optional[str] = None,
-                 extra_flags: Sequence[str] = (), seed: int = 0, **env: str) -> Fidelity:
+                 extra_flags: Sequence[str] = (), seed: int = 0, warmup: bool = True, **env: str) -> Fidelity:
     layers = list(range(1, num_layers))  # every layer the convention allows
     dump = os.path.join(workdir, "dump")
     srv = Server(model_dir, server_env(dump, HSCAP_LAYERS=",".join(map(str, layers)), HSCAP_PRENORM="1", **env),
                  os.path.join(workdir, "server.log"), ["--chunked-prefill-size", str(CHUNK), "--disable-radix-cache", *extra_flags],
-                 python=python)
+                 python=python, warmup=warmup)
     rng = random.Random(seed)
     reqs = {f"fid-{i}": [rng.randrange(2, 1000) for _ in range(n)] for i, n in enumerate(LENGTHS)}
     try:

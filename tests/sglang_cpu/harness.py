@@ -116,15 +116,19 @@ class Server:
     """One real `python -m sglang.launch_server`, in its own process group."""
 
     def __init__(self, model: str, env: Dict[str, str], log_path: str, extra_flags: Sequence[str] = (),
-                 launcher: Optional[Sequence[str]] = None, python: Optional[str] = None) -> None:
+                 launcher: Optional[Sequence[str]] = None, python: Optional[str] = None, warmup: bool = True) -> None:
         """The documented command, or with `launcher` (e.g. bin/hscap-serve -d DUMP --) in front of
         the sglang flags instead of `python -m sglang.launch_server`. `python`: another venv's
-        interpreter (another sglang release)."""
+        interpreter (another sglang release). warmup=False adds `--skip-server-warmup` (what `hscap
+        serve` adds): SGLang's startup warmup, a second's wait for its own HTTP server and one
+        request, ~2-4 s of each start here, for a test that neither reads the warmup's capture
+        nor times the first requests."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         flags = ["--model-path", model, "--dtype", "float32", *CPU_FLAGS, *graph_flags(python or sys.executable),
-                 *idle_flags(python or sys.executable), "--port", "PORT", *extra_flags]
+                 *idle_flags(python or sys.executable), *(() if warmup else ("--skip-server-warmup",)),
+                 "--port", "PORT", *extra_flags]
         self._cmd = [*launcher, *flags] if launcher else [python or sys.executable, "-m", "sglang.launch_server", *flags]
         # SGLang's ZMQ sockets are temp files it never removes: give them a dir removed at kill
         self._tmp = tempfile.mkdtemp(prefix="sglang-")
@@ -250,12 +254,13 @@ def hscap_send(*args):
 
 
 def serve_and_send(model: str, env: Dict[str, str], root, flags: Sequence[str], data: str, rows: int,
-                   concurrency: int = 4, times: int = 1, while_up: Optional[Callable[[], object]] = None) -> "Server":
+                   concurrency: int = 4, times: int = 1, while_up: Optional[Callable[[], object]] = None,
+                   warmup: bool = True) -> "Server":
     """Start the real server, send the dataset `times` times with `hscap send` (each send must
     send every row), stop it (SIGTERM: the hook flushes). Returns the stopped server (its log);
     `while_up`, called after the sends and before the stop, leaves its answer in
-    srv.seen_while_up."""
-    srv = Server(model, env, os.path.join(str(root), "server.log"), flags)
+    srv.seen_while_up. warmup: as Server's."""
+    srv = Server(model, env, os.path.join(str(root), "server.log"), flags, warmup=warmup)
     try:
         srv.wait_healthy()
         for k in range(times):
