@@ -307,18 +307,68 @@ print("RESULT " + json.dumps(res))
 """
 
 
-def _probe(tmp_path, hook_dir, env_extra, import_sglang=False):
+def _probe_command(tmp_path, hook_dir, env_extra, import_sglang=False):
     user = tmp_path / "user_site"
     user.mkdir(exist_ok=True)
     (user / "sitecustomize.py").write_text("USER_MARK = 'user sitecustomize ran'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "SGLANG_HS_", "PYTHON"))}
     env["PYTHONPATH"] = os.pathsep.join([hook_dir, str(user)])
     env.update(env_extra)
-    args = [sys.executable, "-c", PROBE] + ([SHIMS] if import_sglang else [])
-    out = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return [sys.executable, "-c", PROBE] + ([SHIMS] if import_sglang else []), env
+
+
+def _probe_result(out):
     assert out.returncode == 0, out.stderr[-2000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
     return json.loads(line[7:]), out.stderr
+
+
+def _probe(tmp_path, hook_dir, env_extra, import_sglang=False):
+    args, env = _probe_command(tmp_path, hook_dir, env_extra, import_sglang)
+    return _probe_result(subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300))
+
+
+def _run_at_once(commands: dict, root) -> dict:
+    """name -> (args, env): each in a fresh interpreter, all started at once (output to files:
+    a full pipe would stop one not read yet); name -> CompletedProcess."""
+    procs = {}
+    try:
+        for k, (name, (args, env)) in enumerate(commands.items()):
+            with open(root / f"{k}.out", "w") as out, open(root / f"{k}.err", "w") as err:
+                procs[name] = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=err,
+                                               stdin=subprocess.DEVNULL)
+        done = {}
+        for k, (name, p) in enumerate(procs.items()):
+            try:
+                p.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            done[name] = subprocess.CompletedProcess(p.args, p.returncode, (root / f"{k}.out").read_text(),
+                                                     (root / f"{k}.err").read_text())
+        return done
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def sglang_imported(tmp_path_factory):
+    """The three fresh interpreters below that import SGLang's model code (~20 s of one core
+    each here), started at once: the machine's other core idled while each ran alone. Each
+    has a dir of its own (its user sitecustomize, its HSCAP_DIR)."""
+    root = tmp_path_factory.mktemp("sglang-imported")
+    dirs = {name: root / name.replace(" ", "-") for name in ("enabled", "imported first", "cannot load")}
+    for d in dirs.values():
+        d.mkdir()
+    return _run_at_once({
+        "enabled": _probe_command(dirs["enabled"], "hs_capture/sitecustomize",
+                                  {"HSCAP_DIR": str(dirs["enabled"] / "d")}, import_sglang=True),
+        "imported first": _capture_on_command(IMPORTED_FIRST, dirs["imported first"]),
+        "cannot load": _capture_on_command(CANNOT_LOAD, dirs["cannot load"]),
+    }, root)
 
 
 def test_inert_without_hscap_dir_and_chains_to_the_user_sitecustomize(tmp_path):
@@ -328,8 +378,8 @@ def test_inert_without_hscap_dir_and_chains_to_the_user_sitecustomize(tmp_path):
     assert "HS_DUMP" not in err
 
 
-def test_enabled_hooks_the_real_sglang_classes_on_import(tmp_path):
-    res, err = _probe(tmp_path, "hs_capture/sitecustomize", {"HSCAP_DIR": str(tmp_path / "d")}, import_sglang=True)
+def test_enabled_hooks_the_real_sglang_classes_on_import(sglang_imported):
+    res, err = _probe_result(sglang_imported["enabled"])
     assert res["user_site"] == "user sitecustomize ran" and res["loaded"] is True
     assert res["run_id"].startswith("run-") and res["torch_loaded"] is False  # lazy: nothing heavy at start
     assert res["forward_wrapped"] and res["init_wrapped"]
@@ -348,21 +398,23 @@ def test_top_level_sitecustomize_dir_and_installed_path_are_the_same_hook(tmp_pa
         assert res["loaded"] is True and res["run_id"] and res["user_site"] == "user sitecustomize ran"
 
 
-def test_hooks_apply_when_sglang_was_imported_first(tmp_path):
-    code = (f"import sys; sys.path.insert(0, {SHIMS!r}); import sglang.srt.models.deepseek_v2 as m\n"
-            "from hs_capture.server import bootstrap\nfrom hs_capture.server.instrumentor import is_wrapped\n"
-            "assert not is_wrapped(vars(m.DeepseekV2Model)['forward'])\n"
-            "assert bootstrap.run()\n"
-            "assert is_wrapped(vars(m.DeepseekV2Model)['forward'])\nprint('OK')\n")
-    out = _python_with_capture_on(code, tmp_path)
+IMPORTED_FIRST = (f"import sys; sys.path.insert(0, {SHIMS!r}); import sglang.srt.models.deepseek_v2 as m\n"
+                  "from hs_capture.server import bootstrap\nfrom hs_capture.server.instrumentor import is_wrapped\n"
+                  "assert not is_wrapped(vars(m.DeepseekV2Model)['forward'])\n"
+                  "assert bootstrap.run()\n"
+                  "assert is_wrapped(vars(m.DeepseekV2Model)['forward'])\nprint('OK')\n")
+
+
+def test_hooks_apply_when_sglang_was_imported_first(sglang_imported):
+    out = sglang_imported["imported first"]
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
 
 
-def _python_with_capture_on(code: str, tmp_path):
-    """`python -c code` in a fresh process with HSCAP_DIR set and no hook on PYTHONPATH."""
+def _capture_on_command(code: str, tmp_path):
+    """`python -c code` for a fresh process with HSCAP_DIR set and no hook on PYTHONPATH."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HSCAP_", "PYTHONPATH"))}
     env["HSCAP_DIR"] = str(tmp_path / "d")
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return [sys.executable, "-c", code], env
 
 
 def test_a_broken_bootstrap_never_breaks_the_host(tmp_path):
@@ -438,12 +490,14 @@ def test_layer_flag_families_are_told_through_their_layers_and_the_host_keeps_it
     assert flagged() == [2] and model.layers_to_capture == [2]
 
 
-def test_a_hook_that_cannot_load_leaves_capture_off_and_the_server_importing(tmp_path):
+CANNOT_LOAD = (f"import sys; sys.path.insert(0, {SHIMS!r})\n"
+               "from hs_capture.server import bootstrap\nassert bootstrap.run()\n"
+               "sys.modules['hs_capture.server.instrumentor'] = None  # as a broken install would: ImportError\n"
+               "import sglang.srt.models.deepseek_v2 as m\nprint('OK', m.DeepseekV2Model.__name__)\n")
+
+
+def test_a_hook_that_cannot_load_leaves_capture_off_and_the_server_importing(sglang_imported):
     """A hook raising in a post-import hook would fail SGLang's own import of the model module."""
-    code = (f"import sys; sys.path.insert(0, {SHIMS!r})\n"
-            "from hs_capture.server import bootstrap\nassert bootstrap.run()\n"
-            "sys.modules['hs_capture.server.instrumentor'] = None  # as a broken install would: ImportError\n"
-            "import sglang.srt.models.deepseek_v2 as m\nprint('OK', m.DeepseekV2Model.__name__)\n")
-    out = _python_with_capture_on(code, tmp_path)
+    out = sglang_imported["cannot load"]
     assert out.returncode == 0 and "OK DeepseekV2Model" in out.stdout, out.stderr[-2000:]
     assert "[HS_DUMP] ERROR: capture is OFF in this process: the hook cannot load: ModuleNotFoundError" in out.stderr
