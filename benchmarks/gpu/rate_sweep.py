@@ -90,6 +90,9 @@ SERVERS: Dict[str, tuple] = {
     # the forwards send each step whose copy is done: no hand-off thread waking per step
     "alt-pre3-fwd": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
     "alt-three-fwd": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
+    # each step's copy starts at the next forward, behind the server's own result copy
+    "alt-pre3-next": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_COPY_START": "next-forward"}, "shm", "alt"),
+    "alt-three-next": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_COPY_START": "next-forward"}, "shm", "alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
     # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, Optional
+from typing import List, Mapping, Optional, Sequence
 
 from hs_capture.dump.capture_policy import CapturePolicy
 from hs_capture.dump.codec import CODECS
@@ -19,6 +19,7 @@ ON_FULL_POLICIES = ("block", "drop")
 BACKLOG_POLICIES = ("raw", "off")
 WRITERS = ("process", "thread")
 HANDOFFS = ("thread", "forward")
+COPY_STARTS = ("forward-end", "next-forward")
 
 
 class ConfigError(ValueError):
@@ -42,6 +43,9 @@ class CaptureConfig:
     # step's copy and sends it ("thread"), or the forwards send the steps whose copies are done,
     # with no thread of ours waking per step ("forward"; a timer sends the last ones)
     handoff: str = "thread"
+    # when a step's device-to-host copy starts: as its forward ends, or as the next forward
+    # begins (behind the server's own copy of the step's results; staging.DeferredCopy)
+    copy_start: str = "forward-end"
     # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
     # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
     # always compresses
@@ -127,6 +131,13 @@ def _number(env: Mapping[str, str], name: str, default, low, high, kind=int):
     return value
 
 
+def _choice(env: Mapping[str, str], name: str, default: str, choices: Sequence[str], hint: str) -> str:
+    value = env.get(name, default).strip() or default
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r}: {hint}")
+    return value
+
+
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     return _number(env, name, default, low, high, int)
 
@@ -185,22 +196,14 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
     run_id = env.get("HSCAP_RUN_ID", "").strip()
     if not run_id:
         raise ConfigError("HSCAP_RUN_ID is not set (the bootstrap sets it in the launching process)")
-    codec = env.get("HSCAP_CODEC", "bytegroup").strip() or "bytegroup"
-    if codec not in CODECS:
-        raise ConfigError(f"HSCAP_CODEC={codec!r}: choose one of {', '.join(CODECS)}")
-    on_full = env.get("HSCAP_ON_FULL", "block").strip() or "block"
-    if on_full not in ON_FULL_POLICIES:
-        raise ConfigError(f"HSCAP_ON_FULL={on_full!r}: choose block (lossless) or drop (counted)")
-    on_backlog = env.get("HSCAP_ON_BACKLOG", "raw").strip() or "raw"
-    if on_backlog not in BACKLOG_POLICIES:
-        raise ConfigError(f"HSCAP_ON_BACKLOG={on_backlog!r}: choose raw (write raw while the writer is behind) "
-                          "or off (always compress)")
-    writer = env.get("HSCAP_WRITER", "process").strip() or "process"
-    if writer not in WRITERS:
-        raise ConfigError(f"HSCAP_WRITER={writer!r}: choose process (the default) or thread")
-    handoff = env.get("HSCAP_HANDOFF", "thread").strip() or "thread"
-    if handoff not in HANDOFFS:
-        raise ConfigError(f"HSCAP_HANDOFF={handoff!r}: choose thread (the default) or forward")
+    codec = _choice(env, "HSCAP_CODEC", "bytegroup", CODECS, f"choose one of {', '.join(CODECS)}")
+    on_full = _choice(env, "HSCAP_ON_FULL", "block", ON_FULL_POLICIES, "choose block (lossless) or drop (counted)")
+    on_backlog = _choice(env, "HSCAP_ON_BACKLOG", "raw", BACKLOG_POLICIES,
+                         "choose raw (write raw while the writer is behind) or off (always compress)")
+    writer = _choice(env, "HSCAP_WRITER", "process", WRITERS, "choose process (the default) or thread")
+    handoff = _choice(env, "HSCAP_HANDOFF", "thread", HANDOFFS, "choose thread (the default) or forward")
+    copy_start = _choice(env, "HSCAP_COPY_START", "forward-end", COPY_STARTS,
+                         "choose forward-end (the default) or next-forward")
     return CaptureConfig(
         dump_dir=os.path.abspath(dump_dir),
         run_id=run_id,
@@ -212,6 +215,7 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         on_full=on_full,
         writer=writer,
         handoff=handoff,
+        copy_start=copy_start,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),

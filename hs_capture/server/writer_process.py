@@ -345,10 +345,13 @@ def main(argv: List[str]) -> int:
     maps: Dict[int, np.ndarray] = {}
     timeout, forward, gone = 600.0, {}, False
 
+    replies = threading.Lock()  # the counters go out in the order they were read: never backwards
+
     def done_with(job: int) -> Callable[[], None]:
         def done() -> None:
             try:
-                chan.send(("done", job, store.snapshot(), store.stopped, store.failure))
+                with replies:
+                    chan.send(("done", job, store.snapshot(), store.stopped, store.failure))
             except OSError:
                 pass  # the server is gone: the step is on disk all the same
         return done
