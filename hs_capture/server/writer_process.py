@@ -46,11 +46,10 @@ START_TIMEOUT_S = 60.0
 # own processes come first (a writer that falls behind holds forwards, which is reported).
 NICE = 5
 # Hand-off "forward": while steps come, the forwards send them and read the writer's replies
-# without waiting, and no thread of ours wakes per step: a Python thread that wakes for the
-# interpreter lock beside the scheduler's thread, which releases it at every torch call, costs
-# that thread far more than its own work. The replies thread wakes every ACTIVE_S to see
-# whether the steps have stopped (none for QUIET_S); then it reads the replies and sends the
-# steps owed, waking for each (TAIL_S at most while a copy runs).
+# without waiting, and no thread of ours wakes per step (on a GPU it costs the server the same
+# as the hand-off thread: benchmarks/README.md, run G). The replies thread wakes every ACTIVE_S
+# to see whether the steps have stopped (none for QUIET_S); then it reads the replies and sends
+# the steps owed, waking for each (TAIL_S at most while a copy runs).
 ACTIVE_S = 0.5
 QUIET_S = 0.05
 TAIL_S = 0.05
