@@ -245,7 +245,6 @@ class DeferredCopy:
         self._lock = threading.Lock()
         self._launched = threading.Event()
         self._t0 = time.monotonic()
-        self.late = False  # started by a waiter, not by a forward
 
     @property
     def started(self) -> bool:
@@ -264,9 +263,8 @@ class DeferredCopy:
                 self._launched.set()
 
     def _start_late(self) -> None:
-        if not self.started:
-            self.late = True
-            self.start(after_current=False)
+        """By a waiter, with no forward behind which to queue."""
+        self.start(after_current=False)
 
     def query(self) -> bool:
         """Done (or failed: synchronize raises)."""
