@@ -22,7 +22,10 @@ the requests a client marks: the same texts are sent in rounds, unmarked (`off`)
 (`on`), each `on` round against the `off` rounds beside it, with a pause after each `on` round
 for the writer to drain. Some rounds move the server's processes from outside (tune_writer):
 `-idle` and `-cores` the writer process, `-split` SGLang's processes and the writer onto
-separate physical cores.
+separate physical cores. Two uncaptured rounds run a load beside the server instead, each
+against the plain rounds beside it: `off-burn`, BURNERS processes (default 6) encoding bf16
+states as the writer does, with no GPU; `off-d2h`, one process copying 80 MB from the GPU to
+pinned host memory at D2H_GBPS (default 3). ROUNDS sets the rounds (default ALT_ROUNDS).
 
 For each server the results hold the writer's closing counters (forward cost by cause, the CPU
 time of capture's threads in the server's process, raw and written bytes), the host's busy cores
@@ -38,11 +41,13 @@ usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
 import random
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -90,9 +95,6 @@ SERVERS: Dict[str, tuple] = {
     # the forwards send each step whose copy is done: no hand-off thread waking per step
     "alt-pre3-fwd": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
     "alt-three-fwd": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
-    # each step's copy starts at the next forward, behind the server's own result copy
-    "alt-pre3-next": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_COPY_START": "next-forward"}, "shm", "alt"),
-    "alt-three-next": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_COPY_START": "next-forward"}, "shm", "alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
     # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)
@@ -100,7 +102,13 @@ SERVERS: Dict[str, tuple] = {
 }
 # the rounds of an `alt` server: off = unmarked, on = marked; `on-idle`/`on-cores` move the
 # writer (tune_writer) for that round only
-ALT_ROUNDS = "off,on,off,on-idle,off,on-cores,off,on,off"
+ALT_ROUNDS = os.environ.get("ROUNDS") or "off,on,off,on-idle,off,on-cores,off,on,off"
+# `off-burn`: an uncaptured round while BURNERS processes encode bf16 states as the writer does
+# (its default codec and level), on no GPU: what the writer's CPU and memory load alone costs the server.
+# `off-d2h`: an uncaptured round while another process copies device memory to pinned host memory at
+# D2H_GBPS in 80 MB copies (a step's states): what the copies alone cost the server
+BURNERS = int(os.environ.get("BURNERS", "6"))
+D2H_GBPS = float(os.environ.get("D2H_GBPS", "3"))
 # the same, with the processes split across physical cores (tune_writer) in the -split rounds
 SPLIT_ROUNDS = "off,on,off-split,on-split,off-split,on,off,on-split,off-split"
 DRAIN_S = 3.0  # after an `on` round: the writer's backlog (~1 s of states at most) drains before the next round
@@ -405,11 +413,13 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     res: Dict[str, object] = {"server": name, "layers": layers, "prenorm": prenorm, "env": extra_env, "dump_on": where,
                               "bytes_per_token": states_per_token(layers, prenorm) * HIDDEN * 2}
     srv = Server(cmd, env, log_path, port)
+    captured: List[tuple] = []  # alternating loads: the (rid tag, part) of each marked send
     try:
         res["startup_s"] = round(srv.wait_healthy(), 1)
         res["writer_tuned"] = tune_writer(srv.proc.pid, extra_env.get("WRITER"))
         if load in ("alt", "split-alt", "chat-alt"):
-            res["rounds"] = run_rounds(srv, "chat-alt" if load == "chat-alt" else "alt", data, split=load == "split-alt")
+            res["rounds"] = run_rounds(srv, "chat-alt" if load == "chat-alt" else "alt", data, captured,
+                                       split=load == "split-alt")
             res["tokens_per_s"] = None
             res["alt"] = summarize_rounds(res["rounds"])
             on = [r["tokens_per_s"] for r in res["rounds"] if r["round"] == "on"]
@@ -449,7 +459,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
                                                          "inflight_budget_bytes", "peak_inflight_bytes")}
         res["writer"]["status"], res["writer"]["disk_bound"] = m.get("status"), m.get("disk_bound")
     if layers is not None and a.verify == name:
-        res["verify"] = verify(dump, a, work, data)
+        res["verify"] = verify(dump, a, work, data, captured)
     shutil.rmtree(dump, ignore_errors=True)
     print(json.dumps({k: v for k, v in res.items() if k not in ("hs_dump_lines", "cpu_s")}), flush=True)
     return res
@@ -466,7 +476,6 @@ def profile(srv, name: str, seconds: float):
     pid = scheduler_pid(srv.proc.pid)
     if not spy or not out or pid is None:
         return None
-    import subprocess
 
     os.makedirs(out, exist_ok=True)
     return subprocess.Popen([spy, "record", "-p", str(pid), "-r", "250", "-d", str(int(seconds)), "--threads", "--nonblocking",
@@ -474,27 +483,31 @@ def profile(srv, name: str, seconds: float):
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
+def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = False) -> List[dict]:
     """The alternating sends of one hooked server that captures only marked requests: the same
-    texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`)."""
+    texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`).
+    Each marked send's (rid tag, data part) is appended to `captured`."""
     rounds = []
     if load == "alt":
         send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm", 0.0)
         send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm-on", 1.0)
+        captured.append(("warm-on", "warm"))
         for i, r in enumerate((SPLIT_ROUNDS if split else ALT_ROUNDS).split(",")):
             if i and rounds[-1]["round"].startswith("on"):
                 time.sleep(DRAIN_S)
             how = r.split("-", 1)[1] if "-" in r else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
             spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
-            with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
+            with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads, beside(round_load(r)) as alive:
                 s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
+            if r.startswith("on"):
+                captured.append((f"r{i}", "b"))
             if how:
                 tune_writer(srv.proc.pid, "reset")
             if spy is not None:
                 spy.wait(30)
             rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned,
-                           "thread_cpu_s": threads.cpu_s})
+                           "thread_cpu_s": threads.cpu_s, **({"beside_alive": alive[0]} if round_load(r) else {})})
             print(json.dumps(rounds[-1]), flush=True)
     else:
         send_chat(srv.url, data, warm=True, fraction=1.0, tag="w")
@@ -508,28 +521,76 @@ def run_rounds(srv, load: str, data: str, split: bool = False) -> List[dict]:
     return rounds
 
 
+BURN = """
+import sys, numpy as np
+from hs_capture.dump import codec
+rows = np.random.default_rng(int(sys.argv[1])).standard_normal((8192, 1024), dtype=np.float32)
+raw = (rows.view(np.uint32) >> 16).astype(np.uint16).tobytes()  # bf16: the float32's top half
+while True:
+    codec.encode(raw, "bytegroup", 1, 2, "bfloat16", 2048)
+"""
+
+
+D2H = """
+import sys, time, torch
+step, rate = 80 << 20, float(sys.argv[1]) * 1e9
+src = torch.empty(step, dtype=torch.uint8, device="cuda")
+dst = [torch.empty(step, dtype=torch.uint8, pin_memory=True) for _ in range(4)]
+stream, t0, n = torch.cuda.Stream(), time.monotonic(), 0
+while True:
+    with torch.cuda.stream(stream):
+        dst[n % 4].copy_(src, non_blocking=True)
+    stream.synchronize()
+    n += 1
+    time.sleep(max(0.0, t0 + n * step / rate - time.monotonic()))
+"""
+
+
+def round_load(r: str) -> list:
+    """The commands run beside the server for round `r`: burners (`off-burn`), a copier (`off-d2h`)."""
+    if r == "off-burn":
+        return [[sys.executable, "-c", BURN, str(k)] for k in range(BURNERS)]
+    return [[sys.executable, "-c", D2H, str(D2H_GBPS)]] if r == "off-d2h" else []
+
+
+@contextlib.contextmanager
+def beside(cmds: list):
+    """The processes `cmds` running for the block (killed after it)."""
+    procs = [subprocess.Popen(c) for c in cmds]
+    alive: List[int] = []
+    try:
+        time.sleep(4.0 if cmds else 0)  # numpy or torch imported, the buffers made
+        yield alive
+        alive.append(sum(p.poll() is None for p in procs))  # those that ran to the end
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def summarize_rounds(rounds: List[dict]) -> dict:
-    """Each `on` round against the mean of the `off` rounds just before and after it that ran as
-    it did (`on-split` against `off-split`; `on-idle` and `on-cores` against `off`)."""
+    """Each round but the plain `off` ones against the mean of the `off` rounds just before and
+    after it that ran as it did (`on-split` against `off-split`; `on-idle`, `on-cores` and
+    `off-burn` and `off-d2h` against `off`)."""
     out: Dict[str, list] = {}
-    names = {r["round"] for r in rounds}
     for i, r in enumerate(rounds):
-        if r["round"].startswith("off") or not r.get("tokens_per_s"):
+        if r["round"] in ("off", "off-split") or not r.get("tokens_per_s"):
             continue
-        base = "off" + r["round"][2:]
-        base = base if base in names else "off"
+        base = "off-split" if r["round"] == "on-split" else "off"
         offs = [o["tokens_per_s"] for o in rounds[max(0, i - 1):i + 2] if o["round"] == base and o.get("tokens_per_s")]
         if offs:
             out.setdefault(r["round"], []).append(round(r["tokens_per_s"] / (sum(offs) / len(offs)), 4))
-    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"].startswith("off")]}
+    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] in ("off", "off-split")]}
 
 
-def verify(dump: str, a, work: str, data: str) -> dict:
+def verify(dump: str, a, work: str, data: str, captured: List[tuple]) -> dict:
+    """`hscap verify --dataset --reference` of the dump against what was sent marked: `hscap
+    send`'s parts under their own ids, or each alternating round's texts under its rids."""
     sent = os.path.join(work, "sent.jsonl")
     with open(sent, "w") as f:
-        for part in ("warm", "a", "b"):
+        for tag, part in captured or [(None, p) for p in ("warm", "a", "b")]:
             for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({**row, "id": f"{tag}-{row['id']}"} if tag else row) + "\n")
     t0 = time.monotonic()
     doc = hscap_json("verify", dump, "--dataset", sent, "-j", "16", "--reference",
                      os.path.join(a.model, "text_model"), "--reference-samples", "8", "--reference-device", "cuda",

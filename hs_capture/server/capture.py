@@ -113,11 +113,6 @@ class ModelCapture:
         return want
 
     def forward(self, wrapped, model: Any, args: tuple, kwargs: dict):
-        if self.writer is not None and not _graph_capturing():  # nothing may enter a CUDA graph
-            try:
-                self.writer.start_copies()  # the steps before this one (HSCAP_COPY_START=next-forward)
-            except Exception as e:  # never let bookkeeping break serving
-                self._error("starting copies", e)
         fb = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
         mode = getattr(getattr(fb, "forward_mode", None), "name", None)
         capturing = self.writer is not None and not self.writer.stopped and mode in CAPTURED_MODES

@@ -19,7 +19,6 @@ ON_FULL_POLICIES = ("block", "drop")
 BACKLOG_POLICIES = ("raw", "off")
 WRITERS = ("process", "thread")
 HANDOFFS = ("thread", "forward")
-COPY_STARTS = ("forward-end", "next-forward")
 
 
 class ConfigError(ValueError):
@@ -43,9 +42,6 @@ class CaptureConfig:
     # step's copy and sends it ("thread"), or the forwards send the steps whose copies are done,
     # with no thread of ours waking per step ("forward"; a timer sends the last ones)
     handoff: str = "thread"
-    # when a step's device-to-host copy starts: as its forward ends, or as the next forward
-    # begins (behind the server's own copy of the step's results; staging.DeferredCopy)
-    copy_start: str = "forward-end"
     # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
     # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
     # always compresses
@@ -202,8 +198,6 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
                          "choose raw (write raw while the writer is behind) or off (always compress)")
     writer = _choice(env, "HSCAP_WRITER", "process", WRITERS, "choose process (the default) or thread")
     handoff = _choice(env, "HSCAP_HANDOFF", "thread", HANDOFFS, "choose thread (the default) or forward")
-    copy_start = _choice(env, "HSCAP_COPY_START", "forward-end", COPY_STARTS,
-                         "choose forward-end (the default) or next-forward")
     return CaptureConfig(
         dump_dir=os.path.abspath(dump_dir),
         run_id=run_id,
@@ -215,7 +209,6 @@ def load(env: Mapping[str, str] = os.environ) -> CaptureConfig:
         on_full=on_full,
         writer=writer,
         handoff=handoff,
-        copy_start=copy_start,
         on_backlog=on_backlog,
         fsync=env.get("HSCAP_FSYNC", "1") not in ("0", "false", "no"),
         prewarm_steps=_int(env, "HSCAP_PREWARM_STEPS", 0, 0, 1024),

@@ -15,13 +15,6 @@ memory the caching allocator frees, not buffers SGLang keeps and rewrites. So an
 may live in such a buffer (the batch's inputs, and any view into a larger storage) is first
 cloned on the forward's own stream, which orders the clone before any later write there;
 the side stream then copies the clone.
-
-With `HSCAP_COPY_START=next-forward` a step's copy is not started when its forward ends but
-when the next forward begins (DeferredCopy): by then the server has enqueued its own small
-copy of the step's results, which the scheduler waits for, and capture's copy, which takes a
-few milliseconds at a few GB/s, runs under the next forward's compute instead of ahead of that
-result copy on the GPU's copy engine. The step's device tensors are held until then. When no
-forward comes, the copy starts late (LATE_S) from whoever waits for it.
 """
 
 from __future__ import annotations
@@ -227,92 +220,21 @@ class AsyncCopier(Protocol):
     def finish(self) -> object: ...
 
 
-# HSCAP_COPY_START=next-forward: how long a step's copy waits for the next forward to start it
-# (longer than a step under load, so that the forwards, not the waiters, start the copies)
-LATE_S = 0.2
-
-
-class DeferredCopy:
-    """A step's device-to-host copy that starts later (see the module): `start` at the next
-    forward's entry, on the forward's thread; `query`/`synchronize` (whoever waits for the
-    copy) start it themselves once it is LATE_S old. `launch(after_current)` enqueues the
-    copies and returns their done event; it runs once."""
-
-    def __init__(self, launch: Callable[[bool], object]) -> None:
-        self._launch: Optional[Callable[[bool], object]] = launch
-        self._done: Optional[object] = None
-        self._error: Optional[BaseException] = None  # the launch failed: the waiter hears it
-        self._lock = threading.Lock()
-        self._launched = threading.Event()
-        self._t0 = time.monotonic()
-
-    @property
-    def started(self) -> bool:
-        return self._launch is None
-
-    def start(self, after_current: bool = True) -> None:
-        with self._lock:
-            if self._launch is None:
-                return
-            launch, self._launch = self._launch, None
-            try:
-                self._done = launch(after_current)
-            except Exception as e:  # said by whoever waits for the copy; the forward goes on
-                self._error = e
-            finally:
-                self._launched.set()
-
-    def _start_late(self) -> None:
-        """By a waiter, with no forward behind which to queue."""
-        self.start(after_current=False)
-
-    def query(self) -> bool:
-        """Done (or failed: synchronize raises)."""
-        if not self.started:
-            if time.monotonic() - self._t0 < LATE_S:
-                return False
-            self._start_late()
-        with self._lock:  # a launch under way in another thread has finished
-            done = self._done
-        return done is None or bool(done.query())
-
-    def synchronize(self) -> None:
-        if not self._launched.wait(max(0.0, self._t0 + LATE_S - time.monotonic())):
-            self._start_late()
-        with self._lock:
-            done, error = self._done, self._error
-        if error is not None:
-            raise RuntimeError(f"the step's device copy could not start: {error}")
-        done.synchronize()
-
-
 class CudaSideStream:
-    """The copy on one side stream that waits for the forward's stream at submit (`defer`: at
-    the next forward's entry, DeferredCopy)."""
+    """The copy on one side stream that waits for the forward's stream at submit."""
 
     pin_memory = True
 
-    def __init__(self, defer: bool = False) -> None:
+    def __init__(self) -> None:
         self._stream = torch.cuda.Stream()
-        self.defer = defer
-        self._pairs: List[tuple] = []
 
     def own(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()  # on the current (forward) stream: ordered before the next batch's refill
 
     def begin(self) -> None:
-        if self.defer:
-            self._pairs = []
-            return
         self._stream.wait_stream(torch.cuda.current_stream())  # the copy must see the finished forward
 
     def copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
-        if self.defer:
-            self._pairs.append((host, t))  # held (the allocator keeps its memory) until started
-            return
-        self._copy(host, t)
-
-    def _copy(self, host: torch.Tensor, t: torch.Tensor) -> None:
         with torch.cuda.stream(self._stream):
             if not t.is_contiguous():
                 t = t.contiguous()  # rare (a strided view): one device copy, on the side stream
@@ -322,23 +244,6 @@ class CudaSideStream:
             t.record_stream(self._stream)
 
     def finish(self) -> object:
-        if not self.defer:
-            return self._done_event()
-        pairs, self._pairs = self._pairs, []
-        ready = torch.cuda.Event()
-        ready.record()  # the forward's stream: the step's tensors are final here
-
-        def launch(after_current: bool) -> object:
-            self._stream.wait_event(ready)
-            if after_current:  # behind whatever the forward's stream holds now (the server's result copy)
-                self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-            for host, t in pairs:
-                self._copy(host, t)
-            return self._done_event()
-
-        return DeferredCopy(launch)
-
-    def _done_event(self) -> object:
         # blocking: the thread that waits for it sleeps in the driver; a default event's wait
         # spins a core inside the driver, against the launches of the scheduler's own thread
         event = torch.cuda.Event(blocking=True)
@@ -372,7 +277,7 @@ def may_be_refilled(t: torch.Tensor) -> bool:
 
 class Stager:
     def __init__(self, expected_rows: int = 0, budget_bytes: int = 4 << 30, prewarm_steps: int = 0,
-                 copier: Optional[AsyncCopier] = None, defer_copies: bool = False) -> None:
+                 copier: Optional[AsyncCopier] = None) -> None:
         """prewarm_steps: full-size steps to pin ahead; 0 = as many as the in-flight budget holds,
         so that in steady state no forward ever pins (past the budget the writer blocks it).
         copier: how device tensors are copied (default: a CUDA side stream for CUDA tensors, made
@@ -384,9 +289,6 @@ class Stager:
         self._budget = budget_bytes
         self._prewarm_steps = prewarm_steps
         self._prewarmed = False
-        self._defer = defer_copies  # CUDA copies start at the next forward (DeferredCopy)
-        self._deferred: List[DeferredCopy] = []
-        self._deferred_lock = threading.Lock()
 
     @property
     def pool(self) -> PinnedPool:
@@ -423,7 +325,7 @@ class Stager:
         if self._copier is not None:
             return self._copier
         if any(t.is_cuda for t in tensors.values()):
-            self._copier = CudaSideStream(defer=self._defer)
+            self._copier = CudaSideStream()
             return self._copier
         return _CPU_COPY
 
@@ -451,22 +353,9 @@ class Stager:
             layout.append(Placed(name, dtype_name(t.dtype), tuple(int(x) for x in t.shape), at, n))
             at += _aligned(n)
         event = copier.finish()
-        if isinstance(event, DeferredCopy):
-            with self._deferred_lock:
-                self._deferred.append(event)
         if not self._prewarmed and copier.pin_memory:
             self.prewarm_async(self._step_sizes(tensors))
         return Staged(out, sum(sizes), event, buf, layout)
-
-    def start_deferred(self) -> int:
-        """A forward begins: start the copies of the steps before it (how many were started)."""
-        if not self._deferred:
-            return 0
-        with self._deferred_lock:
-            waiting, self._deferred = self._deferred, []
-        for copy in waiting:
-            copy.start(after_current=True)
-        return len(waiting)
 
     def release(self, staged: Staged) -> None:
         if staged.buffer is not None:

@@ -91,8 +91,7 @@ class ShardWriter:
         self.run_dir = cfg.run_dir
         self.run_meta = replace(run_meta)
         self._step_sizes = list(step_sizes)
-        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier,
-                              defer_copies=cfg.copy_start == "next-forward")
+        self._stager = Stager(expected_rows, cfg.max_inflight_bytes, cfg.prewarm_steps, copier)
         self._backlog = Backlog(cfg.max_inflight_bytes)
         self._record = RunRecord(cfg, rank)
         if cfg.writer == "process":
@@ -156,12 +155,6 @@ class ShardWriter:
         self._backlog.budget.abort()
 
     # ------------------------------------------------------------- hot path
-    def start_copies(self) -> None:
-        """A forward begins (any forward): start the copies HSCAP_COPY_START=next-forward held."""
-        t0 = time.perf_counter()
-        if self._stager.start_deferred():
-            self.cost.add("staging", time.perf_counter() - t0)
-
     def submit(self, line: IndexLine, tensors: Dict[str, torch.Tensor],
                aux_layers: Optional[List[int]] = None) -> bool:
         """Stage one step (what the forward knows of it: `line`) and queue it. Blocks under
@@ -234,7 +227,6 @@ class ShardWriter:
                 "peak_inflight_bytes": self._backlog.budget.peak,
                 "inflight_budget_bytes": self._backlog.budget.limit,
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer, "handoff": self.cfg.handoff,
-                "copy_start": self.cfg.copy_start,
                 "forward_cost": self.cost.report(),
                 "server_threads": self._sink.threads.report(),
                 "cuda_allocator": self._allocator.report(),
