@@ -225,3 +225,22 @@ def test_capture_threads_in_the_servers_process_are_reported(tmp_path, caplog, w
     assert cost["handoff_s"] < 0.05 and cost["buffer_wait_s"] < 0.05 and cost["budget_wait_s"] < 0.05, cost
     line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
     assert "capture's threads in the server's process used" in line and "waiting for device copies" in line
+
+
+def test_the_child_starts_without_torch(tmp_path):
+    """The server waits for the child's "ready" while it loads the model: the child must not
+    import torch (or SGLang) to read its start message, even where the run metadata holds
+    their objects (torch.__version__ is one)."""
+    cfg = CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", layers=[1, 2], fsync=False)
+    meta = RankMeta(layers=[1, 2], hidden_size=H, extra={"torch_version": torch.__version__,
+                                                         "dtype": torch.bfloat16})
+    w = ShardWriter(cfg, RankId(0, 0, 0), meta)
+    w.start()
+    try:
+        with open(f"/proc/{w._sink._proc.pid}/maps") as f:
+            mapped = f.read()
+        assert "libtorch" not in mapped and "/torch/" not in mapped
+        assert w.submit(*step("r0", 8), aux_layers=[1, 2])
+    finally:
+        assert w.close()
+    assert meta_of(w)["torch_version"] == str(torch.__version__) and meta_of(w)["dtype"] == "torch.bfloat16"

@@ -17,6 +17,7 @@ server stops capture loudly and serves on; a step not indexed was never written.
 from __future__ import annotations
 
 import collections
+import json
 import mmap
 import os
 import queue
@@ -94,7 +95,10 @@ class ProcessSink:
                                           pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        self._chan.send(("init", self.cfg, self.rank, meta, self._budget))
+        # as JSON, as it is stored: an object of torch's or SGLang's in it (torch.__version__
+        # is one) would import that package in the child while the server waits for "ready"
+        plain = json.dumps(meta.to_json(), default=str)
+        self._chan.send(("init", self.cfg, self.rank, plain, self._budget))
         self._chan.sock.settimeout(START_TIMEOUT_S)
         try:
             msg, _ = self._chan.recv()
@@ -330,7 +334,8 @@ def main(argv: List[str]) -> int:
         pass
     chan = Channel.from_fd(int(argv[0]))
     try:
-        (kind, cfg, rank, meta, budget), _ = chan.recv()
+        (kind, cfg, rank, plain, budget), _ = chan.recv()
+        meta = RankMeta.from_json(json.loads(plain))
         record = RunRecord(cfg, rank)
         record.adopt()  # the server claimed the rank
         store = ShardStore(cfg, rank, meta, record)
