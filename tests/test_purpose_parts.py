@@ -104,3 +104,39 @@ def test_the_controls_move_states_not_tokens():
     a, b = d["aux_hidden_state"], r["aux_hidden_state"]
     assert torch.equal(b[..., :H], a[..., 2 * H:]) and torch.equal(b[..., H:], a[..., :2 * H])
     assert torch.equal(r["hidden_state"], d["hidden_state"])
+
+
+def test_the_k25_slice_keeps_the_targets_files_and_takes_k25s_widths(tmp_path):
+    """rate_sweep --shape k25: the small target's files without its weights, K2.5's widths in
+    the text config (its weights are SGLang's dummy ones); made once."""
+    import rate_sweep
+
+    src, dst = tmp_path / "model", tmp_path / "model-k25"
+    (src / "text_model").mkdir(parents=True)
+    (src / "text_model" / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"w" * 64)
+    (src / "processing_tiny_kimi.py").write_text("# remote code")
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "text_config": {"hidden_size": 1024, "num_hidden_layers": 6, "n_routed_experts": 24, "vocab_size": 1024},
+        "vision_config": {"text_hidden_size": 1024}}))
+    assert rate_sweep.slice_model(str(src), str(dst)) == str(dst)
+    assert sorted(os.listdir(dst)) == ["config.json", "processing_tiny_kimi.py"]
+    config = json.loads((dst / "config.json").read_text())
+    text = config["text_config"]
+    assert {k: text[k] for k in rate_sweep.K25_TEXT} == rate_sweep.K25_TEXT
+    assert text["num_hidden_layers"] == rate_sweep.SLICE_LAYERS and text["n_routed_experts"] == rate_sweep.SLICE_EXPERTS
+    assert text["n_routed_experts"] >= text["num_experts_per_tok"] and text["vocab_size"] == 1024
+    assert config["vision_config"]["text_hidden_size"] == 7168
+    (src / "config.json").write_text("not read again")
+    assert rate_sweep.slice_model(str(src), str(dst)) == str(dst)  # already made: kept
+
+
+def test_each_alternating_round_is_judged_against_the_plain_rounds_beside_it():
+    import rate_sweep
+
+    rounds = [{"round": r, "tokens_per_s": t} for r, t in
+              [("off", 100), ("on", 90), ("off", 80), ("off-burn", 72), ("off", 100), ("on-split", 50), ("off-split", 60)]]
+    got = rate_sweep.summarize_rounds(rounds)
+    assert got["on_over_off"] == {"on": [1.0], "off-burn": [0.8], "on-split": [round(50 / 60, 4)]}
+    assert got["off_tokens_per_s"] == [100, 80, 100, 60]

@@ -35,7 +35,13 @@ process, ...). The dump of the `--verify` server is checked with `hscap verify -
 the scheduler's threads are sampled during the first `on` and `off` rounds of each alternating
 server (collapsed stacks, PROFILES/<log>-r<round>-<name>.txt).
 
-usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME,...] [--texts N]
+`--shape k25` serves a slice of Kimi-K2.5 at its real widths instead (hidden 7168, 64 MLA heads,
+8 experts a token of 2048, 8 layers, 16 routed experts; SGLang's dummy weights, so verify
+checks whole samples without a reference): its ~8 k-token prefill steps are bound by the GPU,
+as a K2.5 node's are, and each token carries 7x the small target's bytes of states. The small
+target's steps take ~20 ms and are bound by SGLang's own Python processes.
+
+usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME,...] [--texts N] [--shape small|k25]
 """
 
 from __future__ import annotations
@@ -61,6 +67,16 @@ import language  # noqa: E402
 from serving import HSCAP, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 HIDDEN = language.SIZES["gpu"]["hidden_size"]
+# --shape k25: a slice of Kimi-K2.5 at its real widths (hidden 7168, 64 MLA heads, 8 of its
+# experts a token, moe_intermediate 2048), SLICE_LAYERS layers and SLICE_EXPERTS routed experts
+# (the compute a token does per layer is K2.5's; fewer experts only save memory), served with
+# SGLang's dummy weights: its steps are bound by the GPU as a K2.5 node's are, where the small
+# target's steps are bound by SGLang's own Python
+K25_TEXT = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
+                num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1)
+SLICE_LAYERS, SLICE_EXPERTS = 8, 16
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "target_training.json", "text_model")
 # name -> (layers or None for a plain server, prenorm, environment, dump on "shm" or "disk", load)
 SERVERS: Dict[str, tuple] = {
     "off": (None, False, {}, "shm", "ab"),
@@ -141,6 +157,24 @@ def stage(root: str, texts: int) -> None:
         with open(chat + ".tmp", "w") as f:
             json.dump({"systems": systems, "conversations": convs}, f)
         os.replace(chat + ".tmp", chat)
+
+
+def slice_model(src: str, dst: str) -> str:
+    """DST: the small target's files (its processor, remote code) without its weights, with a
+    config of K2.5's widths (K25_TEXT); the server makes up the weights (--load-format dummy)."""
+    if os.path.exists(os.path.join(dst, "config.json")):
+        return dst
+    tmp = dst + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp, ignore=lambda d, names: [n for n in names if d == src and n in WEIGHT_FILES])
+    with open(os.path.join(tmp, "config.json")) as f:
+        config = json.load(f)
+    config["text_config"].update(K25_TEXT, num_hidden_layers=SLICE_LAYERS, n_routed_experts=SLICE_EXPERTS)
+    config["vision_config"]["text_hidden_size"] = K25_TEXT["hidden_size"]
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, dst)
+    return dst
 
 
 def marked(rid: str, fraction: float) -> bool:
@@ -411,7 +445,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
         env.update({k: v for k, v in extra_env.items() if k.startswith("HSCAP_")})
     log_path = os.path.join(work, f"server-{name}-{port}.log")
     res: Dict[str, object] = {"server": name, "layers": layers, "prenorm": prenorm, "env": extra_env, "dump_on": where,
-                              "bytes_per_token": states_per_token(layers, prenorm) * HIDDEN * 2}
+                              "bytes_per_token": states_per_token(layers, prenorm) * a.hidden * 2}
     srv = Server(cmd, env, log_path, port)
     captured: List[tuple] = []  # alternating loads: the (rid tag, part) of each marked send
     try:
@@ -592,9 +626,10 @@ def verify(dump: str, a, work: str, data: str, captured: List[tuple]) -> dict:
             for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
                 f.write(json.dumps({**row, "id": f"{tag}-{row['id']}"} if tag else row) + "\n")
     t0 = time.monotonic()
-    doc = hscap_json("verify", dump, "--dataset", sent, "-j", "16", "--reference",
-                     os.path.join(a.model, "text_model"), "--reference-samples", "8", "--reference-device", "cuda",
-                     "--max-findings", "5")
+    # dummy weights (--shape k25) have no checkpoint to compute a reference from: whole samples only
+    reference = [] if a.shape == "k25" else ["--reference", os.path.join(a.model, "text_model"),
+                                              "--reference-samples", "8", "--reference-device", "cuda"]
+    doc = hscap_json("verify", dump, "--dataset", sent, "-j", "16", *reference, "--max-findings", "5")
     st = doc.get("stats", {})
     return {"ok": doc.get("ok"), "verify_s": round(time.monotonic() - t0, 1),
             "samples_complete": st.get("samples_complete"), "samples_incomplete": st.get("samples_incomplete"),
@@ -634,12 +669,19 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=4500, help="texts of the steady send (b); a has a third")
     ap.add_argument("--verify", default="pre3", help="the server whose dump verify checks")
     ap.add_argument("--stage-only", action="store_true")
+    ap.add_argument("--shape", choices=("small", "k25"), default="small",
+                    help="small: the trained target (hidden 1024); k25: a slice of Kimi-K2.5 at its widths, dummy weights")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
     a = ap.parse_args()
     stage(a.root, a.texts)
     if a.stage_only:
         return
     a.model = os.path.join(a.root, "model")
+    a.hidden = HIDDEN
+    if a.shape == "k25":
+        a.model = slice_model(a.model, os.path.join(a.root, "model-k25"))
+        a.hidden = K25_TEXT["hidden_size"]
+        a.server_flags += " --load-format dummy"
     a.logs = a.logs or os.path.dirname(os.path.abspath(a.out))
     work = os.path.join(a.root, "sweep")
     shutil.rmtree(work, ignore_errors=True)
@@ -648,7 +690,9 @@ def main() -> None:
     import torch
 
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(0),
-           "cpu_cores": os.cpu_count(), "servers": [], "texts": a.texts, "note": __doc__.split("\n\n")[1]}
+           "cpu_cores": os.cpu_count(), "servers": [], "texts": a.texts, "shape": a.shape, "hidden": a.hidden,
+           "shm_bytes": shutil.disk_usage("/dev/shm").total if os.path.isdir("/dev/shm") else None,
+           "note": __doc__.split("\n\n")[1]}
     for name in a.servers.split(","):
         try:
             r = run_server(name, a, work, os.path.join(a.root, "data"))
