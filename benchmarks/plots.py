@@ -121,9 +121,9 @@ def _tier(s: dict) -> str:
 
 
 def _default_store(s: dict) -> bool:
-    """The server wrote with the default codec and store (the panel's bars say what the defaults cost)."""
-    env = s.get("env") or {}
-    return "HSCAP_CODEC" not in env and "HSCAP_STORE" not in env
+    """The server captured at the default settings (the panels say what the defaults cost): no
+    setting of hs_capture's changed but the share of requests captured."""
+    return all(k == "HSCAP_CAPTURE_FRACTION" or not k.startswith("HSCAP_") for k in s.get("env") or {})
 
 
 def bytes_per_token(plt, docs):
@@ -131,6 +131,8 @@ def bytes_per_token(plt, docs):
     (_, codec), = docs["codec"]
     tiers: Dict[str, List[float]] = {}  # label -> [raw bytes a token, raw bytes, file bytes]
     for run in sweep["runs"]:
+        if run.get("hidden", 1024) != 1024:  # the panel's bytes are of hidden 1024 (not --shape k25)
+            continue
         for s in run["servers"]:
             w = s.get("writer") or {}
             if s.get("bytes_per_token") and w.get("raw_bytes") and _default_store(s):

@@ -37,9 +37,10 @@ server (collapsed stacks, PROFILES/<log>-r<round>-<name>.txt).
 
 `--shape k25` serves a slice of Kimi-K2.5 at its real widths instead (hidden 7168, 64 MLA heads,
 8 experts a token of 2048, 8 layers, 16 routed experts; SGLang's dummy weights, so verify
-checks whole samples without a reference): its ~8 k-token prefill steps are bound by the GPU,
-as a K2.5 node's are, and each token carries 7x the small target's bytes of states. The small
-target's steps take ~20 ms and are bound by SGLang's own Python processes.
+checks whole samples without a reference): its ~8 k-token prefill steps are expected to be
+bound by the GPU, as a K2.5 node's are (no GPU run of it is recorded yet), and each token carries
+7x the small target's bytes of states. The small target's steps take ~20 ms and are bound by
+SGLang's own Python processes.
 
 usage: python benchmarks/gpu/rate_sweep.py --root DIR --out FILE [--servers NAME,...] [--texts N] [--shape small|k25]
 """
@@ -70,8 +71,8 @@ HIDDEN = language.SIZES["gpu"]["hidden_size"]
 # --shape k25: a slice of Kimi-K2.5 at its real widths (hidden 7168, 64 MLA heads, 8 of its
 # experts a token, moe_intermediate 2048), SLICE_LAYERS layers and SLICE_EXPERTS routed experts
 # (the compute a token does per layer is K2.5's; fewer experts only save memory), served with
-# SGLang's dummy weights: its steps are bound by the GPU as a K2.5 node's are, where the small
-# target's steps are bound by SGLang's own Python
+# SGLang's dummy weights: its steps should be bound by the GPU as a K2.5 node's are, where the
+# small target's steps are bound by SGLang's own Python
 K25_TEXT = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
                 num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                 v_head_dim=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1)
@@ -119,6 +120,7 @@ SERVERS: Dict[str, tuple] = {
 # the rounds of an `alt` server: off = unmarked, on = marked; `on-idle`/`on-cores` move the
 # writer (tune_writer) for that round only
 ALT_ROUNDS = os.environ.get("ROUNDS") or "off,on,off,on-idle,off,on-cores,off,on,off"
+ROUND_NAMES = ("off", "on", "on-idle", "on-cores", "off-split", "on-split", "off-burn", "off-d2h")
 # `off-burn`: an uncaptured round while BURNERS processes encode bf16 states as the writer does
 # (its default codec and level), on no GPU: what the writer's CPU and memory load alone costs the server.
 # `off-d2h`: an uncaptured round while another process copies device memory to pinned host memory at
@@ -529,10 +531,10 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
         for i, r in enumerate((SPLIT_ROUNDS if split else ALT_ROUNDS).split(",")):
             if i and rounds[-1]["round"].startswith("on"):
                 time.sleep(DRAIN_S)
-            how = r.split("-", 1)[1] if "-" in r else None
+            how = r.split("-", 1)[1] if r.split("-", 1)[-1] in ("idle", "cores", "split") else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
-            spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
-            with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads, beside(round_load(r)) as alive:
+            with beside(round_load(r)) as alive, CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
+                spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
                 s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
             if r.startswith("on"):
                 captured.append((f"r{i}", "b"))
@@ -590,9 +592,11 @@ def round_load(r: str) -> list:
 @contextlib.contextmanager
 def beside(cmds: list):
     """The processes `cmds` running for the block (killed after it)."""
-    procs = [subprocess.Popen(c) for c in cmds]
+    procs: List[subprocess.Popen] = []
     alive: List[int] = []
     try:
+        for c in cmds:
+            procs.append(subprocess.Popen(c))
         time.sleep(4.0 if cmds else 0)  # numpy or torch imported, the buffers made
         yield alive
         alive.append(sum(p.poll() is None for p in procs))  # those that ran to the end
@@ -673,6 +677,11 @@ def main() -> None:
                     help="small: the trained target (hidden 1024); k25: a slice of Kimi-K2.5 at its widths, dummy weights")
     ap.add_argument("--server-flags", default=" ".join(SERVER_FLAGS + ["--cuda-graph-max-bs", "16"]))
     a = ap.parse_args()
+    unknown = sorted(set(ALT_ROUNDS.split(",")) - set(ROUND_NAMES))
+    if unknown:
+        ap.error(f"ROUNDS: unknown round {', '.join(unknown)} (the rounds are {', '.join(ROUND_NAMES)})")
+    if a.verify in SERVERS and SERVERS[a.verify][4] in ("chat", "chat-alt"):
+        ap.error(f"--verify {a.verify}: the chat traffic's requests are not listed for verify; name another server")
     stage(a.root, a.texts)
     if a.stage_only:
         return

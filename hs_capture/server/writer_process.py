@@ -88,6 +88,11 @@ class ProcessSink:
 
     def start(self, meta: RankMeta) -> None:
         self._meta = meta
+        # as JSON, as it is stored: an object of torch's or SGLang's in it (torch.__version__
+        # is one) would import that package in the child while the server waits for "ready".
+        # Read back here first, so what the child cannot read fails before it starts.
+        plain = json.dumps(meta.to_json(), default=str)
+        RankMeta.from_json(json.loads(plain))
         self._chan, theirs = Channel.pair()
         env = dict(os.environ, HSCAP_DISABLE="1")  # the child runs no capture hook of its own
         try:
@@ -95,9 +100,6 @@ class ProcessSink:
                                           pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
-        # as JSON, as it is stored: an object of torch's or SGLang's in it (torch.__version__
-        # is one) would import that package in the child while the server waits for "ready"
-        plain = json.dumps(meta.to_json(), default=str)
         self._chan.send(("init", self.cfg, self.rank, plain, self._budget))
         self._chan.sock.settimeout(START_TIMEOUT_S)
         try:
@@ -386,7 +388,8 @@ def main(argv: List[str]) -> int:
     store.finish(finished, forward)
     if not gone:
         try:
-            chan.send(("closed", finished, store.snapshot()))
+            with replies:  # after every "done": the counters never go backwards
+                chan.send(("closed", finished, store.snapshot()))
         except OSError:
             pass
     return 0
