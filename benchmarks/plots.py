@@ -72,7 +72,7 @@ def capture_overhead(plt, docs):
             # one server, its sends alternating uncaptured and captured: each captured round at
             # the default settings against the uncaptured rounds beside it
             on = ((s.get("alt") or {}).get("on_over_off") or {}).get("on")
-            if on and isinstance(s.get("states_gbps"), (int, float)) and _default_store(s):
+            if on and isinstance(s.get("states_gbps"), (int, float)) and _default_settings(s):
                 for x in on:
                     rate.append((i, {"server": s["server"], "states_gbps": s["states_gbps"], "on_over_off": x,
                                      "writer": "one server"}))
@@ -120,7 +120,7 @@ def _tier(s: dict) -> str:
     return f"{n} layer{'s' if n > 1 else ''}\n+ final" + ("\n+ pre-norm" if s["prenorm"] else "")
 
 
-def _default_store(s: dict) -> bool:
+def _default_settings(s: dict) -> bool:
     """The server captured at the default settings (the panels say what the defaults cost): no
     setting of hs_capture's changed but the share of requests captured."""
     return all(k == "HSCAP_CAPTURE_FRACTION" or not k.startswith("HSCAP_") for k in s.get("env") or {})
@@ -135,7 +135,7 @@ def bytes_per_token(plt, docs):
             continue
         for s in run["servers"]:
             w = s.get("writer") or {}
-            if s.get("bytes_per_token") and w.get("raw_bytes") and _default_store(s):
+            if s.get("bytes_per_token") and w.get("raw_bytes") and _default_settings(s):
                 t = tiers.setdefault(_tier(s), [s["bytes_per_token"], 0, 0])
                 t[1] += w["raw_bytes"]
                 t[2] += w["file_bytes"]

@@ -68,11 +68,8 @@ import language  # noqa: E402
 from serving import HSCAP, SERVER_FLAGS, Server, free_port, hscap_json, plain_command, read_jsonl  # noqa: E402
 
 HIDDEN = language.SIZES["gpu"]["hidden_size"]
-# --shape k25: a slice of Kimi-K2.5 at its real widths (hidden 7168, 64 MLA heads, 8 of its
-# experts a token, moe_intermediate 2048), SLICE_LAYERS layers and SLICE_EXPERTS routed experts
-# (the compute a token does per layer is K2.5's; fewer experts only save memory), served with
-# SGLang's dummy weights: its steps should be bound by the GPU as a K2.5 node's are, where the
-# small target's steps are bound by SGLang's own Python
+# --shape k25 (the docstring): K2.5's widths, SLICE_LAYERS layers and SLICE_EXPERTS routed experts
+# (a token's compute per layer is K2.5's; fewer experts only save memory)
 K25_TEXT = dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=64,
                 num_key_value_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                 v_head_dim=128, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=1)
@@ -121,6 +118,8 @@ SERVERS: Dict[str, tuple] = {
 # writer (tune_writer) for that round only
 ALT_ROUNDS = os.environ.get("ROUNDS") or "off,on,off,on-idle,off,on-cores,off,on,off"
 ROUND_NAMES = ("off", "on", "on-idle", "on-cores", "off-split", "on-split", "off-burn", "off-d2h")
+PLAIN_ROUNDS = ("off", "off-split")  # what the other rounds are judged against
+MOVES = ("idle", "cores", "split")  # round-name suffixes that move the server's processes (tune_writer)
 # `off-burn`: an uncaptured round while BURNERS processes encode bf16 states as the writer does
 # (its default codec and level), on no GPU: what the writer's CPU and memory load alone costs the server.
 # `off-d2h`: an uncaptured round while another process copies device memory to pinned host memory at
@@ -531,9 +530,10 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
         for i, r in enumerate((SPLIT_ROUNDS if split else ALT_ROUNDS).split(",")):
             if i and rounds[-1]["round"].startswith("on"):
                 time.sleep(DRAIN_S)
-            how = r.split("-", 1)[1] if r.split("-", 1)[-1] in ("idle", "cores", "split") else None
+            how = r.partition("-")[2] if r.partition("-")[2] in MOVES else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
-            with beside(round_load(r)) as alive, CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
+            load_cmds = round_load(r)
+            with beside(load_cmds) as alive, CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
                 spy = profile(srv, f"{os.path.basename(srv.log_path)}-r{i}-{r}", 4) if i in (1, 2) else None
                 s = send_texts(srv.url, os.path.join(data, "b.jsonl"), f"r{i}", 1.0 if r.startswith("on") else 0.0)
             if r.startswith("on"):
@@ -543,7 +543,7 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
             if spy is not None:
                 spy.wait(30)
             rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "writer_tuned": tuned,
-                           "thread_cpu_s": threads.cpu_s, **({"beside_alive": alive[0]} if round_load(r) else {})})
+                           "thread_cpu_s": threads.cpu_s, **({"beside_alive": alive[0]} if load_cmds else {})})
             print(json.dumps(rounds[-1]), flush=True)
     else:
         send_chat(srv.url, data, warm=True, fraction=1.0, tag="w")
@@ -612,13 +612,13 @@ def summarize_rounds(rounds: List[dict]) -> dict:
     `off-burn` and `off-d2h` against `off`)."""
     out: Dict[str, list] = {}
     for i, r in enumerate(rounds):
-        if r["round"] in ("off", "off-split") or not r.get("tokens_per_s"):
+        if r["round"] in PLAIN_ROUNDS or not r.get("tokens_per_s"):
             continue
         base = "off-split" if r["round"] == "on-split" else "off"
         offs = [o["tokens_per_s"] for o in rounds[max(0, i - 1):i + 2] if o["round"] == base and o.get("tokens_per_s")]
         if offs:
             out.setdefault(r["round"], []).append(round(r["tokens_per_s"] / (sum(offs) / len(offs)), 4))
-    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] in ("off", "off-split")]}
+    return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] in PLAIN_ROUNDS]}
 
 
 def verify(dump: str, a, work: str, data: str, captured: List[tuple]) -> dict:
