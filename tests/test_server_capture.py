@@ -4,6 +4,7 @@ documented PYTHONPATH command, captures what transformers computes on the same w
 import json
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -141,9 +142,12 @@ def test_hscap_ls_summarises_the_dump(captured):
 
 
 def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
-    """A slow disk leaves steps queued when the orchestrator sends SIGTERM: none is lost."""
+    """A stalled disk leaves steps queued when the orchestrator sends SIGTERM: none is lost."""
     dump = str(tmp_path / "dump")
-    env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_SLOW_DISK_MS="400")
+    gate = tmp_path / "disk-stalled"
+    gate.write_text("")
+    env = server_env(dump, HSCAP_LAYERS="2", HSCAP_WRITER_THREADS="1", HSCAP_TEST_SLOW_DISK_MS="100",
+                     HSCAP_TEST_DISK_GATE=str(gate))
     srv = Server(tiny_model, env, str(tmp_path / "server.log"), ["--chunked-prefill-size", "64"], warmup=False)
     rng = random.Random(1)
     reqs = {f"s{i}": [rng.randrange(2, 1000) for _ in range(rng.randrange(20, 200))] for i in range(8)}
@@ -154,6 +158,8 @@ def test_sigterm_flushes_every_queued_step(tiny_model, tmp_path):
         (run,) = open_runs(dump)
         queued = len(reqs) - len({r for x in run.index("dp0-tp0-pp0") for r in x.rids()} & set(reqs))
         srv.proc.send_signal(15)
+        time.sleep(1.0)  # the signal is taken while the disk is still stalled
+        gate.unlink()
         rc = srv.wait_exit(120)
     finally:
         srv.kill()
