@@ -122,6 +122,11 @@ def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
               "default all). Requests marked extra_key=hscap (hscap send marks its own) are always captured.")
 @click.option("--keep-radix-cache", is_flag=True, help="Keep SGLang's radix (prefix) cache: each captured "
               "request gets a cache namespace of its own and is prefilled whole; the rest keep their prefix reuse.")
+@click.option("--reuse-captured", is_flag=True, help="With the radix cache kept: captured requests share it, but "
+              "reuse only prefixes that captured requests computed (HSCAP_REUSE_CAPTURED=1; merge joins them), "
+              "instead of being prefilled whole. Implies --keep-radix-cache. SGLang 0.5.15 or later.")
+@click.option("--follow", is_flag=True, help="Also capture every request that continues a captured prompt (the "
+              "next turns of a captured conversation; HSCAP_FOLLOW=1). Implies --reuse-captured.")
 @click.option("--store", type=click.Choice(config.STORES), help="How states are stored (HSCAP_STORE): lossless "
               "(the default) or fp8, the compact tier (FP8 e4m3, one scale per token, quantized on the GPU); "
               "readers hand both out as bfloat16.")
@@ -129,7 +134,7 @@ def check_before_start(env: dict, sglang_args: Sequence[str]) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the command and exit.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], keep_radix_cache: bool,
-          store: Optional[str], python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
+          reuse_captured: bool, follow: bool, store: Optional[str], python: str, dry_run: bool, sglang_args: Tuple[str, ...]) -> None:
     """Start `python -m sglang.launch_server SGLANG_ARGS...` with capture on.
 
     Adds the flag that keeps prefill eager in this release (--disable-prefill-cuda-graph
@@ -146,6 +151,11 @@ def serve(dump_dir: str, layers: str, prenorm: bool, fraction: Optional[float], 
         settings["HSCAP_CAPTURE_FRACTION"] = repr(fraction)
     if store:
         settings["HSCAP_STORE"] = store
+    if reuse_captured or follow:
+        keep_radix_cache = True
+        settings["HSCAP_REUSE_CAPTURED"] = "1"
+    if follow:
+        settings["HSCAP_FOLLOW"] = "1"
     # before the release probe and SGLang: a refused start costs nothing and creates nothing
     try:
         check_before_start({**os.environ, **settings}, sglang_args)

@@ -33,6 +33,12 @@ class CapturePolicy:
     # give each captured request a radix-cache namespace of its own, so that it is prefilled
     # from position 0 while the rest of the traffic keeps its prefix reuse
     own_namespace: bool = True
+    # instead: share the cache, but reuse only prefixes earlier captured requests hold, and
+    # record which request each borrowed prefix comes from (merge joins them)
+    reuse_captured: bool = False
+    # also capture each request that continues a captured prompt (the next turn of a captured
+    # conversation; only with reuse_captured, whose index knows the captured prompts)
+    follow: bool = False
 
     @property
     def everything(self) -> bool:
@@ -47,9 +53,13 @@ class CapturePolicy:
         share = "every request" if self.everything else (
             f"{self.fraction:.4g} of requests by rid hash and" if self.fraction > 0 else "only")
         marked = "" if self.everything else f" requests marked extra_key={MARK}*"
-        return f"{share}{marked}"
+        follow = " and the requests that continue a captured prompt" if self.follow and not self.everything else ""
+        return f"{share}{marked}{follow}"
 
-    def as_meta(self, radix_cache: bool, namespaced: bool) -> Dict[str, Any]:
+    def as_meta(self, radix_cache: bool, namespaced: bool, reusing: bool = False) -> Dict[str, Any]:
         """What the run metadata records of the policy (FORMAT.md)."""
-        return {"fraction": self.fraction, "mark": f"extra_key starts with {MARK!r}", "radix_cache": radix_cache,
-                "own_namespace": namespaced}
+        out = {"fraction": self.fraction, "mark": f"extra_key starts with {MARK!r}", "radix_cache": radix_cache,
+               "own_namespace": namespaced}
+        if reusing:
+            out.update(reuse_captured=True, follow=self.follow)
+        return out

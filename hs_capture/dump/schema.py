@@ -30,14 +30,21 @@ class SchemaError(ValueError):
 # ----------------------------------------------------------------- index lines
 @dataclass(frozen=True)
 class SeqEntry:
-    """One request's rows in a step: rows offset..offset+len, positions prefix..prefix+len."""
+    """One request's rows in a step: rows offset..offset+len, positions prefix..prefix+len.
+    A request's first piece may borrow positions [0, prefix) from another captured request
+    (`src`), whose token ids there have the digest `src_hash` (dump/token_hash.prefix_hash)."""
     rid: Optional[str]
     len: int
     prefix: int
     offset: int
+    src: Optional[str] = None
+    src_hash: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {"rid": self.rid, "len": self.len, "prefix": self.prefix, "offset": self.offset}
+        out = {"rid": self.rid, "len": self.len, "prefix": self.prefix, "offset": self.offset}
+        if self.src is not None:
+            out.update(src=self.src, src_hash=self.src_hash)
+        return out
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,10 @@ def _seqs(raw: Any, num_tokens: Optional[int]) -> Tuple[SeqEntry, ...]:
             raise SchemaError("a seq entry is malformed")
         if num_tokens is not None and s["offset"] + s["len"] > num_tokens:
             raise SchemaError("a seq runs past num_tokens")
-        out.append(SeqEntry(s.get("rid"), s["len"], s["prefix"], s["offset"]))
+        src, src_hash = s.get("src"), s.get("src_hash")
+        if src is not None and not (isinstance(src, str) and isinstance(src_hash, str) and s["prefix"] > 0):
+            raise SchemaError("a seq's borrowed prefix (src, src_hash) is malformed")
+        out.append(SeqEntry(s.get("rid"), s["len"], s["prefix"], s["offset"], src, src_hash if src else None))
     return tuple(out)
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -68,6 +68,8 @@ class ModelCapture:
         self._prenorm: Optional[torch.Tensor] = None
         self.prenorm_hooked = False
         self.picker: Optional[requests_mod.RequestPicker] = None  # which requests (None: all)
+        # (rid, prefix) -> (the rid it borrowed [0, prefix) from, their digest), with reuse on
+        self.borrows: Optional[Callable[[Optional[str], int], Optional[Tuple[str, str]]]] = None
 
     def hook_prenorm(self, norm: Any) -> None:
         """Capture the final norm's input. Called as norm(hidden, residual) it returns
@@ -177,7 +179,7 @@ class ModelCapture:
                 raise ValueError("the final norm's input was not seen in this forward")
         t0 = time.perf_counter()
         line, tensors, aux_layers = take_step(fb, mode, hidden, aux, current, self.layers, self.hidden_size, pre,
-                                              keep)
+                                              keep, self.borrows)
         self.writer.cost.add("step_line", time.perf_counter() - t0)
         if self.store == "fp8":
             t0 = time.perf_counter()
@@ -257,7 +259,9 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
     if cfg.prenorm and writer is not None:
         state.hook_prenorm(model.norm)
     if writer is not None:
-        state.picker = _policy_picker(cfg, flags)
+        picker = _policy_picker(cfg, flags)
+        state.picker = None if picker is None or picker.policy.everything else picker
+        state.borrows = picker.borrow_of if picker is not None and picker.reuse is not None else None
     model.__dict__["_hscap_state"] = state  # plain attribute: nn.Module.__setattr__ would not do
     state.log_layer_sets()
     state.layers_for(model, capturing=True)
@@ -287,15 +291,22 @@ def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["reque
                     "captured requests share the radix cache")
     policy = picker.policy.describe() if picker is not None else "every request"
     own = requests_mod.namespacing()
+    reuse = picker is not None and picker.reuse is not None
+    if radix and cfg.policy.reuse_captured and not reuse and picker is not None:
+        log.warning("WARNING: SGLang %s has no Req._compute_max_prefix_len to cap prefix matches with "
+                    "(HSCAP_REUSE_CAPTURED=1 needs 0.5.15 or later): captured requests get a cache namespace of "
+                    "their own instead", sglang_version())
     log.info("capture policy: %s; %s", policy, "radix cache off" if not radix else (
+        "radix cache on: captured requests reuse only prefixes that captured requests computed (merge joins "
+        "them), the rest keep their prefix reuse" if reuse else
         "radix cache on: each captured request gets a cache namespace of its own (prefilled whole), the rest "
         "keep their prefix reuse" if own else "radix cache on and shared by captured requests"))
-    if radix and not own:
+    if radix and not own and not reuse:
         log.warning("WARNING: the radix cache is on and captured requests share it: a prefix hit is never "
                     "recomputed, so that sample's capture starts past position 0; such samples are detected and "
                     "reported incomplete (hscap send resumes them only after a restart). Keep "
                     "HSCAP_CACHE_NAMESPACE=1, or use --disable-radix-cache")
-    return None if picker is None or picker.policy.everything else picker
+    return picker
 
 
 def full_step_rows(flags: Dict[str, Any]) -> int:
@@ -357,7 +368,7 @@ def _run_meta(cfg: CaptureConfig, hf_config: Any, layers: List[int], flags: Dict
             "writer": cfg.writer,
             "on_full": cfg.on_full,
             "capture_policy": cfg.policy.as_meta(flags.get("disable_radix_cache") is False,
-                                                 requests_mod.namespacing()),
+                                                 requests_mod.namespacing(), requests_mod.reusing()),
         },
     )
 

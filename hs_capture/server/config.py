@@ -85,13 +85,23 @@ def is_enabled(env: Mapping[str, str] = os.environ) -> bool:
 def capture_policy(env: Mapping[str, str] = os.environ) -> CapturePolicy:
     """HSCAP_CAPTURE_FRACTION (0 to 1, default 1: every request; marked requests always) and
     HSCAP_CACHE_NAMESPACE (default 1: a captured request gets a radix-cache namespace of its
-    own; 0: it shares the cache, and a prefix hit leaves its capture incomplete)."""
+    own; 0: it shares the cache, and a prefix hit leaves its capture incomplete),
+    HSCAP_REUSE_CAPTURED (default 0; 1: captured requests share the cache but reuse only
+    prefixes captured requests computed, instead of a namespace each) and HSCAP_FOLLOW
+    (default 0; 1, with HSCAP_REUSE_CAPTURED=1: a request continuing a captured prompt is
+    captured too)."""
     fraction = _number(env, "HSCAP_CAPTURE_FRACTION", 1.0, 0.0, 1.0, float)
-    raw = env.get("HSCAP_CACHE_NAMESPACE", "1").strip() or "1"
-    if raw not in ("0", "1"):
-        raise ConfigError(f"HSCAP_CACHE_NAMESPACE={raw!r}: choose 1 (captured requests get their own cache "
-                          "namespace) or 0")
-    return CapturePolicy(fraction=fraction, own_namespace=raw == "1")
+    own = _choice(env, "HSCAP_CACHE_NAMESPACE", "1", ("0", "1"),
+                  "choose 1 (captured requests get their own cache namespace) or 0") == "1"
+    reuse = _switch(env, "HSCAP_REUSE_CAPTURED", "captured requests reuse only prefixes captured requests computed")
+    follow = _switch(env, "HSCAP_FOLLOW", "requests continuing a captured prompt are captured too")
+    if follow and not reuse:
+        raise ConfigError("HSCAP_FOLLOW=1 needs HSCAP_REUSE_CAPTURED=1 (its index of captured prompts)")
+    return CapturePolicy(fraction=fraction, own_namespace=own, reuse_captured=reuse, follow=follow)
+
+
+def _switch(env: Mapping[str, str], name: str, what: str) -> bool:
+    return _choice(env, name, "0", ("0", "1"), f"choose 1 ({what}) or 0") == "1"
 
 
 def parse_layers(text: str) -> Optional[List[int]]:

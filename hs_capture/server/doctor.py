@@ -206,10 +206,15 @@ def check_flags(ns: Any) -> List[Finding]:
         out.append(Finding("prefill CUDA graphs", OK, "off: every prefill runs the hook"))
     if not flag(ns, "disable_radix_cache"):
         try:
-            own = config_mod.capture_policy().own_namespace
+            policy = config_mod.capture_policy()
+            own, reuse = policy.own_namespace, policy.reuse_captured
         except config_mod.ConfigError:
-            own = False  # the settings finding says why
-        if own:
+            own = reuse = False  # the settings finding says why
+        if reuse:
+            out.append(Finding("radix cache", OK, "on and shared: captured requests reuse only prefixes captured "
+                               "requests computed (HSCAP_REUSE_CAPTURED=1; SGLang 0.5.15 or later, else each is "
+                               "prefilled whole), merge joins them; the other requests keep their prefix reuse"))
+        elif own:
             out.append(Finding("radix cache", OK, "on: each captured request gets a cache namespace of its own and "
                                "is prefilled whole; the other requests keep their prefix reuse"))
         else:

@@ -86,6 +86,7 @@ class HsCaptureInstrumentor(Instrumentor):
         if self._requests is not None:
             self._requests = None
             requests_mod.set_hooked(False)
+            requests_mod.set_reuse_hooked(False)
 
     # ------------------------------------------------------------- internals
     def _patch(self, target: Target, mod: Any) -> None:
@@ -144,6 +145,22 @@ class HsCaptureInstrumentor(Instrumentor):
             return
         self._requests = req_cls
         requests_mod.set_hooked(True)
+        if not hasattr(req_cls, "_compute_max_prefix_len"):  # before 0.5.15: no cap to set
+            return
+
+        def max_prefix_wrapper(wrapped, instance, args, kwargs):
+            return requests_mod.limit_prefix(instance, wrapped(*args, **kwargs))
+
+        def next_round_wrapper(wrapped, instance, args, kwargs):
+            out = wrapped(*args, **kwargs)
+            if kwargs.get("tree_cache", args[0] if args else None) is not None:  # a chunk's next round matches nothing
+                requests_mod.after_match(instance)
+            return out
+
+        note = "captured requests cannot reuse captured prefixes: each is prefilled whole"
+        if self.wrap(req_cls, "_compute_max_prefix_len", max_prefix_wrapper, note=note) != REFUSED and \
+                self.wrap(req_cls, "init_next_round_input", next_round_wrapper, note=note) != REFUSED:
+            requests_mod.set_reuse_hooked(True)
 
 
 def on_import(module: Any) -> None:

@@ -8,6 +8,14 @@ The namespace is the request's `extra_key` (SGLang keys its radix tree on it sin
 with a counter appended: unique even when a rid is sent again (a resend must not hit the
 first send's cache). Every tensor-parallel rank's scheduler builds the same requests in the
 same order, so the counters agree and the ranks schedule alike.
+
+With HSCAP_REUSE_CAPTURED=1 a captured request shares the cache instead, but its prefix match
+is capped (Req._compute_max_prefix_len, from 0.5.15) at the longest prefix another captured
+request was scheduled with (captured_prefixes.py); once matched (Req.init_next_round_input),
+it records which request that prefix is borrowed from and the digest of the tokens it
+matched, which its first captured piece carries into the index line. Only what no captured
+request computed is prefilled again: the next turn of a captured conversation recomputes its
+previous answer (decoded, never captured) and its new message.
 """
 
 from __future__ import annotations
@@ -15,9 +23,11 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hs_capture.dump.capture_policy import MARK, CapturePolicy
+from hs_capture.dump.token_hash import prefix_hash
+from hs_capture.server.captured_prefixes import CapturedPrefixes
 from hs_capture.server.log import get_logger
 
 log = get_logger()
@@ -28,9 +38,11 @@ _MAX_PLAIN = 1 << 20  # rids remembered without weak references (a Req that refu
 class RequestPicker:
     """Per process: which live requests the forward hook captures."""
 
-    def __init__(self, policy: CapturePolicy, radix_cache: bool) -> None:
+    def __init__(self, policy: CapturePolicy, radix_cache: bool, can_reuse: bool = True) -> None:
         self.policy = policy
-        self.namespaces = policy.own_namespace and radix_cache
+        self.reuse = CapturedPrefixes() if policy.reuse_captured and radix_cache and can_reuse else None
+        self.follow = policy.follow and self.reuse is not None
+        self.namespaces = policy.own_namespace and radix_cache and self.reuse is None
         self.radix_cache = radix_cache
         self._picked: "weakref.WeakValueDictionary[str, Any]" = weakref.WeakValueDictionary()
         self._plain: Dict[str, bool] = {}
@@ -39,16 +51,23 @@ class RequestPicker:
 
     def on_new_request(self, req: Any) -> None:
         rid = getattr(req, "rid", None)
-        if not self.policy.picks(rid, getattr(req, "extra_key", None)):
-            return
         key = getattr(req, "extra_key", None)
+        picked = self.policy.picks(rid, key)
+        prompt = None
+        if self.reuse is not None and (picked or self.follow):
+            prompt = self.reuse.prompt(req.origin_input_ids)
+            picked = picked or self.reuse.extends(prompt)
+        if not picked:
+            return
         if self.namespaces:
             with self._lock:
                 n = next(self._count)
             req.extra_key = f"{key or ''}{_SUFFIX}{n}"
         elif key == MARK:  # the bare mark is ours: the request shares the cache as an unmarked one would
             req.extra_key = None
-        if self.policy.everything or rid is None:
+        if prompt is not None:
+            req._hscap_prompt = prompt
+        if (self.policy.everything and prompt is None) or rid is None:
             return
         try:
             self._picked[str(rid)] = req
@@ -56,6 +75,38 @@ class RequestPicker:
             if len(self._plain) >= _MAX_PLAIN:
                 self._plain.pop(next(iter(self._plain)))
             self._plain[str(rid)] = True
+
+    def limit_prefix(self, req: Any, n: int) -> int:
+        """The prefix length SGLang may match for `req` (it would allow n): a captured request
+        reuses only what another captured request holds."""
+        prompt = getattr(req, "_hscap_prompt", None)
+        if prompt is None or self.reuse is None:
+            return n
+        held, owner = self.reuse.limit(prompt, getattr(req, "rid", None))
+        req._hscap_owner = owner
+        return min(n, held)
+
+    def after_match(self, req: Any) -> None:
+        """SGLang matched `req`'s prefix (before it is prefilled): note what it borrows, and
+        hold its prompt for the captured requests after it."""
+        prompt = getattr(req, "_hscap_prompt", None)
+        if prompt is None or self.reuse is None:
+            return
+        m = matched_prefix(req)
+        owner = getattr(req, "_hscap_owner", None)
+        ids = req.origin_input_ids
+        if m > len(ids):  # a retracted request prefilled again, its output so far included
+            ids = list(ids) + list(req.output_ids)
+        req._hscap_borrow = (m, owner, prefix_hash(ids[:m])) if m > 0 and owner else None
+        if getattr(req, "rid", None) is not None:
+            self.reuse.add(prompt, str(req.rid))
+
+    def borrow_of(self, rid: Optional[str], prefix: int) -> Optional[Tuple[str, str]]:
+        """(the request whose capture holds positions [0, prefix) of `rid`, the digest of
+        those tokens) when `rid` borrowed exactly that prefix; else None."""
+        req = self._picked.get(rid) if rid is not None else None
+        b = getattr(req, "_hscap_borrow", None)
+        return (b[1], b[2]) if b is not None and b[0] == prefix else None
 
     def captured(self, rid: Optional[str]) -> bool:
         if self.policy.everything:
@@ -73,6 +124,14 @@ class RequestPicker:
 
 _picker: Optional[RequestPicker] = None
 _hooked = False
+_reuse_hooked = False
+
+
+def matched_prefix(req: Any) -> int:
+    """How many of a request's tokens SGLang took from the cache: `prefix_len` from 0.5.23,
+    the matched KV indices before."""
+    n = getattr(req, "prefix_len", None)
+    return n if isinstance(n, int) else len(req.prefix_indices)
 
 
 def set_hooked(on: bool) -> None:
@@ -83,6 +142,18 @@ def set_hooked(on: bool) -> None:
 
 def is_hooked() -> bool:
     return _hooked
+
+
+def set_reuse_hooked(on: bool) -> None:
+    """The instrumentor says whether the request class's prefix match carries our cap."""
+    global _reuse_hooked
+    _reuse_hooked = on
+
+
+def reusing() -> bool:
+    """Captured requests reuse captured prefixes here (what the run metadata records)."""
+    p = picker() if is_hooked() else None
+    return p is not None and p.reuse is not None
 
 
 def namespacing() -> bool:
@@ -104,7 +175,7 @@ def picker() -> Optional[RequestPicker]:
             return None
         args = server_args()
         radix = args is not None and flag(args, "disable_radix_cache") is False
-        _picker = RequestPicker(config.capture_policy(), radix)
+        _picker = RequestPicker(config.capture_policy(), radix, _reuse_hooked)
     return _picker
 
 
@@ -115,6 +186,26 @@ def on_new_request(req: Any) -> None:
         p = picker()
         if p is not None:
             p.on_new_request(req)
+    except Exception as e:
+        _fault(e)
+
+
+def limit_prefix(req: Any, n: int) -> int:
+    """Req._compute_max_prefix_len's wrapper calls this with SGLang's answer."""
+    try:
+        p = picker()
+        return n if p is None else p.limit_prefix(req, n)
+    except Exception as e:  # the request matches as SGLang would: its capture may have a hole, reported
+        _fault(e)
+        return n
+
+
+def after_match(req: Any) -> None:
+    """Req.init_next_round_input's wrapper calls this once SGLang matched the prefix."""
+    try:
+        p = picker()
+        if p is not None:
+            p.after_match(req)
     except Exception as e:
         _fault(e)
 

@@ -7,7 +7,7 @@ the device. Pure logic on what the forward returned: no state, no I/O."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,13 +18,18 @@ from hs_capture.dump import quant
 from hs_capture.server.step_files import INPUT_PARTS, SCALE
 
 
+Borrows = Callable[[Optional[str], int], Optional[Tuple[str, str]]]
+
+
 def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[int], layers: List[int],
-              hidden_size: int, prenorm: Optional[torch.Tensor] = None, keep: Optional[List[bool]] = None
-              ) -> Tuple[IndexLine, Dict[str, torch.Tensor], List[int]]:
+              hidden_size: int, prenorm: Optional[torch.Tensor] = None, keep: Optional[List[bool]] = None,
+              borrows: Optional[Borrows] = None) -> Tuple[IndexLine, Dict[str, torch.Tensor], List[int]]:
     """(the step's index line before the writer numbers it, tensors, the layers of the packed
     "aux" tensor's column blocks).
     `current`: the layers SGLang captured in this forward (ours and the host's); `layers`: ours.
-    `keep`: which of the batch's sequences the capture policy picked (None: all)."""
+    `keep`: which of the batch's sequences the capture policy picked (None: all).
+    `borrows(rid, prefix)`: for a sequence starting past 0, the request whose capture holds
+    its prefix and the prefix's digest (requests.RequestPicker.borrow_of)."""
     seq_lens = [int(x) for x in fb.extend_seq_lens_cpu]
     prefix = [int(x) for x in fb.extend_prefix_lens_cpu]
     rids = getattr(fb, "rids", None)
@@ -52,8 +57,11 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
     for _, length, _ in seqs:
         offsets.append(acc)
         acc += length
-    line = step_line(mode, n, int(hidden.shape[0]), dtype_name(hidden.dtype),
-                     [SeqEntry(r, ln, p, o) for (r, ln, p), o in zip(seqs, offsets)])
+    entries = []
+    for (r, ln, p), o in zip(seqs, offsets):
+        src = borrows(r, p) if borrows is not None and p > 0 else None
+        entries.append(SeqEntry(r, ln, p, o) if src is None else SeqEntry(r, ln, p, o, src[0], src[1]))
+    line = step_line(mode, n, int(hidden.shape[0]), dtype_name(hidden.dtype), entries)
     return line, tensors, aux_layers
 
 

@@ -14,6 +14,7 @@ import torch
 
 from hs_capture.dump import hst as fmt
 from hs_capture.dump.paths import FINAL, PRENORM, part_name
+from hs_capture.offline.read.borrowed import mismatch
 from hs_capture.offline.read.inputs import Inputs
 from hs_capture.offline.read.planning import Piece, Plan
 from hs_capture.offline.read.reader import DumpError, first_mismatch
@@ -95,7 +96,12 @@ class Assembler:
             except KeyError as e:
                 raise DumpError(f"rid {rid!r}: step {p.step} of {p.rank} lacks part {e}") from None
         cat = (lambda ts: ts[0]) if views and len(pieces) == 1 else torch.cat
-        return AssembledSample(rid, cat(ids).to(torch.int64), {k: cat(v) for k, v in layers.items()},
+        input_ids = cat(ids).to(torch.int64)
+        if rid in self.plan.borrows:
+            why = mismatch(self.plan.borrows[rid], input_ids.tolist())
+            if why:
+                raise TokensDiffer(why)
+        return AssembledSample(rid, input_ids, {k: cat(v) for k, v in layers.items()},
                              cat(final), cat(pre) if pre else None)
 
 

@@ -41,6 +41,17 @@ class Piece:
     length: int
     prefix: int
     dtype: str = ""  # its index line's: what the server stored (quant.STORED_DTYPE: the compact tier)
+    src: Optional[str] = None  # the request whose capture holds positions [0, prefix) (a borrowed prefix)
+    src_hash: Optional[str] = None  # the digest of this request's tokens there
+
+
+@dataclass(frozen=True)
+class Borrow:
+    """Positions [0, length) of a sample joined from request `src`'s capture: its token ids
+    there must have the digest `src_hash` (checked when the sample is assembled)."""
+    length: int
+    src: str
+    src_hash: str
 
 
 @dataclass
@@ -55,6 +66,7 @@ class Plan:
     # without a dataset: rid -> why it is not a user's sample (SGLang's warmup; attribution.py)
     left_out: Dict[str, str] = field(default_factory=dict)
     itemsize: int = 2  # bytes of one state value as read (the widest dtype the index lines name, fp8 read as bf16)
+    borrows: Dict[str, List[Borrow]] = field(default_factory=dict)  # rid -> prefixes joined from other captures
 
 
 def _check_same(runs: List[Run]) -> Tuple[List[int], int, bool]:
@@ -97,6 +109,9 @@ class Captured:
         # truncated file makes its part absent, for every tool that judges by this class
         self.damage: Dict[Tuple[int, str, int], str] = {}
         self.itemsize = 0
+        self.borrows: Dict[str, List[Borrow]] = {}  # rid -> what its judged chain joins from other captures
+        self._judging: set = set()
+        self._sources: Dict[str, Tuple[Optional[List[Piece]], Optional[str]]] = {}  # src -> its whole chain, or why not
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
@@ -111,7 +126,8 @@ class Captured:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
                             continue
-                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix, line.dtype)
+                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix, line.dtype, s.src,
+                                      s.src_hash)
                         self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
                                                                    piece)
 
@@ -148,6 +164,7 @@ class Captured:
             with procs.pool(min(jobs, len(work)), [__name__], _no_init, ()) as ex:
                 chunk = max(1, len(work) // (16 * jobs))  # few round trips, still an even spread
                 bad = _unsound(keys, ex.map(_first_unsound, work, chunksize=chunk), progress)
+        self._sources.clear()
         for key, (part, why) in bad.items():
             self.damage.setdefault(key, f"its {part} file {why}")
         for pieces in self.pieces.values():
@@ -159,15 +176,38 @@ class Captured:
 
     def judge(self, rid: str, length: Optional[int] = None) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece]]:
         """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
-        length: the dataset's (None: as far as it was captured)."""
+        length: the dataset's (None: as far as it was captured).
+        A piece that borrowed its prefix (`src`) covers [0, prefix) too, with the pieces of
+        `src`'s own whole chain cut at that prefix (`borrows[rid]` then says what to check)."""
         if length is None and rid in self.dropped:  # its end may be what was dropped
             return None, (f"step {self.dropped[rid]} that held part of it was dropped (writer full): without "
                           "the dataset's length its end is unknown"), []
+        self.borrows.pop(rid, None)
         pieces = list(self.pieces.get(rid, {}).values())
         usable = [p for p in pieces if not set(self.parts) - {part for part, _ in p.files}]
-        j = whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable], length)
+        spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable]
+        borrowed_why = None
+        for p in usable:
+            if p.src is not None and p.prefix > 0:
+                got, why = self._borrowed(p)
+                if got is not None:
+                    spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), got))
+                elif borrowed_why is None:
+                    borrowed_why = why
+        j = whole_chain(spans, length)
         if j.whole:
-            return [s.ref for s in j.chain], None, [s.ref for s in j.extras]
+            chain, borrows = [], []
+            for s in j.chain:
+                if isinstance(s.ref, _Joined):
+                    chain += s.ref.pieces
+                    borrows.append(s.ref.borrow)
+                else:
+                    chain.append(s.ref)
+            if borrows:
+                self.borrows[rid] = borrows
+            return chain, None, [s.ref for s in j.extras if isinstance(s.ref, Piece)]
+        if borrowed_why is not None:
+            return None, borrowed_why, []
         broken = [p for p in pieces if p not in usable]
         if broken:  # the true cause of the hole: a step that lacks a part
             b = broken[0]
@@ -177,6 +217,32 @@ class Captured:
             lacking = sorted(set(self.parts) - {x for x, _ in b.files})
             return None, f"step {b.step} of {b.rank} lacks {', '.join(lacking)}", []
         return None, j.reason, []
+
+
+    def _borrowed(self, p: Piece) -> Tuple[Optional["_Joined"], Optional[str]]:
+        """The pieces of `p.src`'s whole chain cut at `p.prefix`, or None and why not."""
+        if p.src in self._judging:
+            return None, f"its prefix is borrowed in a circle through request {p.src!r}"
+        if p.src not in self._sources:  # judged once: a long conversation's turns each borrow from the one before
+            self._judging.add(p.src)
+            try:
+                self._sources[p.src] = self.judge(p.src)[:2]
+            finally:
+                self._judging.discard(p.src)
+        chain, why = self._sources[p.src]
+        end = chain[-1].prefix + chain[-1].length if chain else 0
+        if chain is None or end < p.prefix:
+            return None, (f"positions 0-{p.prefix} are borrowed from request {p.src!r}, whose capture is not whole "
+                          f"there ({why or f'it ends at {end}'})")
+        cut = [replace(c, length=min(c.length, p.prefix - c.prefix)) for c in chain if c.prefix < p.prefix]
+        return _Joined(cut, Borrow(p.prefix, p.src, p.src_hash or "")), None
+
+
+@dataclass(eq=False)
+class _Joined:
+    """A borrowed prefix as one span of whole_chain: the pieces it stands for."""
+    pieces: List[Piece]
+    borrow: Borrow
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
@@ -197,6 +263,8 @@ def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
             result.incomplete[rid] = reason or "never captured"
             continue
         result.samples[rid] = chain
+        if rid in cap.borrows:
+            result.borrows[rid] = cap.borrows[rid]
         if extras:
             result.extras[rid] = extras
     if lengths is None:  # every captured rid counts, but SGLang's warmup is no user's sample

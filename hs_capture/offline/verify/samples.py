@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
+from hs_capture.dump import hst
+from hs_capture.offline.read.borrowed import mismatch, read_tokens
 from hs_capture.offline.read.coverage import Span, describe_extra
 from hs_capture.offline.read.planning import MixedRuns, Plan, plan
 from hs_capture.offline.read.reader import DumpError
@@ -35,6 +37,19 @@ def check_samples(paths: Sequence[str], steps: List[Step], report: Report,
             lost += 1
             report.add("coverage", f"step {bad[0].step} of {bad[0].rank} is damaged (see the file findings): "
                                    "merge cannot assemble this sample", rid=rid)
+    files: Dict[str, object] = {}
+    for rid, borrows in sorted(p.borrows.items()):
+        if any((os.path.basename(p.runs[pc.run].path), pc.rank, pc.step) in damaged for pc in p.samples[rid]):
+            continue  # counted above
+        try:
+            why = mismatch(borrows, read_tokens(p, p.samples[rid], max(b.length for b in borrows), files))
+        except (OSError, hst.FormatError, KeyError) as e:
+            why = f"the token ids of its joined prefix cannot be read: {type(e).__name__}: {e}"
+        if why:
+            lost += 1
+            report.add("coverage", why, rid=rid)
+        if len(files) > 4096:
+            files.clear()
     for rid, extra in sorted(p.extras.items()):
         for pc in extra[:3]:
             where = f"step {pc.step} of {pc.rank}, {os.path.basename(p.runs[pc.run].path)}"

@@ -1,0 +1,40 @@
+"""Digests of token ids, the same in the server and the offline tools (pure, torch-free):
+how a captured request names the prefix it borrowed from an earlier capture (`prefix_hash`,
+checked when the sample is assembled), and the chained block digests the server's index of
+captured prefixes is keyed by (`block_chain`: block k's digest covers tokens [0, (k+1)*B),
+so two prompts share block k's digest exactly when their first (k+1)*B tokens agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from typing import Iterable, List
+
+DIGEST = 16
+
+
+def token_bytes(tokens: Iterable[int]) -> bytes:
+    """Token ids as little-endian int64, the one byte form every digest here is taken of."""
+    a = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
+    return a.tobytes()  # every supported host is little-endian (x86-64, aarch64)
+
+
+def digest(data: bytes, prev: bytes = b"") -> bytes:
+    return hashlib.blake2b(prev + data, digest_size=DIGEST).digest()
+
+
+def prefix_hash(tokens: Iterable[int]) -> str:
+    """The hex digest of these token ids (a prefix a request borrowed, as the request saw it)."""
+    return digest(token_bytes(tokens)).hex()
+
+
+def block_chain(data: bytes, block: int) -> List[bytes]:
+    """Chained digests of each whole block of `block` tokens in `data` (token_bytes)."""
+    out: List[bytes] = []
+    step = block * 8
+    h = b""
+    for k in range(len(data) // step):
+        h = digest(data[k * step:(k + 1) * step], h)
+        out.append(h)
+    return out

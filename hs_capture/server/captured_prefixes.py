@@ -1,0 +1,92 @@
+"""Per scheduler process, with HSCAP_REUSE_CAPTURED=1: the prompts captured requests were
+scheduled with, so that a captured request reuses from the radix cache only a prefix whose
+states are in the dump already (the rest of its prompt is prefilled and captured), and so that
+a request continuing a captured conversation can be captured too (HSCAP_FOLLOW=1).
+
+Prompts are keyed by chained digests of whole blocks of BLOCK tokens (dump/token_hash.py): a
+request may reuse the longest run of blocks some other captured request holds. A block keeps
+its first owner (whose capture holds it, or borrows it in turn); memory is bounded (least
+recently used blocks go first: a forgotten prefix is prefilled again, never borrowed wrongly).
+Every tensor-parallel rank's scheduler sees the same requests scheduled in the same order, so
+every rank's index, and so its prefix matches, agree.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from hs_capture.dump.token_hash import block_chain, digest, token_bytes
+
+BLOCK = 32  # tokens a block: a continued conversation prefills at most BLOCK-1 tokens again
+MAX_BLOCKS = 1 << 18  # ~8 M tokens of captured prompts remembered
+MAX_ENDS = 1 << 16
+
+
+@dataclass
+class Prompt:
+    """One request's prompt as the index sees it."""
+    data: bytes  # token_bytes of the prompt
+    chain: List[bytes]  # chained digests of its whole blocks
+
+    @property
+    def tokens(self) -> int:
+        return len(self.data) // 8
+
+
+class CapturedPrefixes:
+    def __init__(self, block: int = BLOCK, max_blocks: int = MAX_BLOCKS, max_ends: int = MAX_ENDS) -> None:
+        self.block = block
+        self.max_blocks = max_blocks
+        self.max_ends = max_ends
+        self._owner: "OrderedDict[bytes, str]" = OrderedDict()
+        # a captured prompt's end: its last whole block's digest (b"" for none) -> tail length
+        # -> digests of the whole prompt (the block chain carried over the tail)
+        self._ends: "OrderedDict[bytes, Dict[int, Set[bytes]]]" = OrderedDict()
+
+    def prompt(self, tokens: Sequence[int]) -> Prompt:
+        data = token_bytes(tokens)
+        return Prompt(data, block_chain(data, self.block))
+
+    def limit(self, p: Prompt, rid: Optional[str]) -> Tuple[int, Optional[str]]:
+        """(how many of p's first tokens another captured request holds, that request's rid)."""
+        for k in range(len(p.chain), 0, -1):
+            owner = self._owner.get(p.chain[k - 1])
+            if owner is not None and owner != rid:
+                self._owner.move_to_end(p.chain[k - 1])
+                return k * self.block, owner
+        return 0, None
+
+    def add(self, p: Prompt, rid: str) -> None:
+        """A captured request was scheduled with prompt p: its blocks are held from now on."""
+        for h in p.chain:
+            if h in self._owner:
+                self._owner.move_to_end(h)
+            else:
+                self._owner[h] = rid
+        while len(self._owner) > self.max_blocks:
+            self._owner.popitem(last=False)
+        k = len(p.chain)
+        key = p.chain[-1] if k else b""
+        tails = self._ends.setdefault(key, {})
+        self._ends.move_to_end(key)
+        tail = p.data[k * self.block * 8:]
+        tails.setdefault(len(tail) // 8, set()).add(digest(tail, key))
+        while len(self._ends) > self.max_ends:
+            self._ends.popitem(last=False)
+
+    def extends(self, p: Prompt) -> bool:
+        """Whether p continues a captured prompt: begins with the whole of it and is longer
+        (the next turn of a captured conversation)."""
+        n = p.tokens
+        for k in range(len(p.chain), -1, -1):
+            key = p.chain[k - 1] if k else b""
+            tails = self._ends.get(key)
+            if not tails:
+                continue
+            start = k * self.block
+            for m, digests in tails.items():
+                if start + m < n and digest(p.data[start * 8:(start + m) * 8], key) in digests:
+                    return True
+        return False

@@ -1,0 +1,136 @@
+"""Captured requests that keep the radix cache (HSCAP_REUSE_CAPTURED=1, HSCAP_FOLLOW=1): the
+REAL CPU server with its prefix cache ON, multi-turn conversations sharing a system prompt.
+
+- Marked requests (every one captured): each reuses what earlier captured requests computed
+  (SGLang's own cached-token counts say so) and records whose capture holds that prefix;
+  merge's reader joins them, and every sample is whole and equal to transformers.
+- Unmarked traffic at a quarter by rid hash: the captured set is the hash's choice plus every
+  request that continues a captured prompt (the later turns of a captured conversation),
+  each whole; the others keep the cache as before.
+- The gate: a joined prefix whose token ids are not the ones the server matched is refused by
+  verify and left out by merge's reader.
+"""
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+
+from hs_capture.dump.capture_policy import MARK, rid_fraction
+from hs_capture.offline.read.assemble import Assembler, TokensDiffer
+from hs_capture.offline.read.planning import plan
+from hs_capture.offline.read.reader import open_runs
+from hs_capture.offline.verify import verify
+from tests.sglang_cpu.harness import Server, server_env
+from tests.test_e2e import LAYERS, assert_equal_to_transformers
+from tests.test_production_capture import CHUNK, send_conversations, workload
+
+QUARTER = 0.25
+SENDS = ("", "/again")
+
+
+def captured_by_rule(convs, picked) -> set:
+    """What the policy should capture of traffic sent conversation by conversation, the sends
+    one after the other (repeating the same prompts): the hash's choice, and every turn whose
+    prompt continues a captured one (a later turn than one captured, in this send or before)."""
+    out = set()
+    for turns in convs:
+        first = None  # the earliest turn of this conversation captured so far
+        for send in SENDS:
+            for t, (rid, _) in enumerate(turns):
+                if picked(rid + send) or (first is not None and first < t):
+                    out.add(rid + send)
+                    first = t if first is None else min(first, t)
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reuse")
+    dump = str(root / "dump")
+    marked_convs, convs = workload(7), workload(5)
+    srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)),
+                                        HSCAP_CAPTURE_FRACTION=str(QUARTER), HSCAP_REUSE_CAPTURED="1",
+                                        HSCAP_FOLLOW="1"),
+                 str(root / "server.log"), ["--chunked-prefill-size", str(CHUNK)], warmup=False)  # radix cache on
+    try:
+        srv.wait_healthy()
+        marked = {**send_conversations(srv.url, marked_convs, "/m", MARK),
+                  **send_conversations(srv.url, marked_convs, "/m-again", MARK)}
+        cached = {**send_conversations(srv.url, convs, SENDS[0]), **send_conversations(srv.url, convs, SENDS[1])}
+    finally:
+        srv.stop()
+    ids = {rid + s: t for turns in convs for rid, t in turns for s in SENDS}
+    marked_ids = {rid + s: t for turns in marked_convs for rid, t in turns for s in ("/m", "/m-again")}
+    return {"root": root, "dump": dump, "convs": convs, "ids": ids, "cached": cached, "marked": marked,
+            "marked_ids": marked_ids, "log": srv.log()}
+
+
+def as_arrays(s):
+    return types.SimpleNamespace(rid=s.rid, layers={k: v.float().numpy() for k, v in s.layers.items()},
+                                 final=s.final.float().numpy())
+
+
+def test_marked_requests_reuse_captured_prefixes_and_are_joined_whole_and_right(served, tiny_model):
+    (run,) = open_runs(served["dump"])
+    policy = run.ranks["dp0-tp0-pp0"].extra["capture_policy"]
+    assert policy["reuse_captured"] is True and policy["follow"] is True and policy["own_namespace"] is False
+    assert "radix cache on: captured requests reuse only prefixes that captured requests computed" in served["log"]
+    ids = served["marked_ids"]
+    p = plan([served["dump"]], {rid: len(t) for rid, t in ids.items()})
+    assert not p.incomplete, p.incomplete
+    # every turn after the first, and every prompt sent again, came from the cache in part,
+    # and its sample joins that part from another capture
+    reused = [rid for rid in ids if not rid.endswith(("-t0/m",))]
+    assert all(served["marked"][rid] >= 32 for rid in reused), served["marked"]
+    assert all(rid in p.borrows for rid in reused)
+    computed = sum(s.len for line in run.index("dp0-tp0-pp0") for s in line.seqs if s.rid in ids)
+    assert computed < 0.6 * sum(map(len, ids.values()))  # most of the prompts were not prefilled again
+    asm = Assembler(p)
+    for rid, want in ids.items():
+        s = asm.sample(rid)
+        assert s.input_ids.tolist() == want
+        assert_equal_to_transformers(as_arrays(s), want, tiny_model)
+
+
+def test_unmarked_traffic_captures_the_hash_choice_and_the_turns_that_follow_it(served):
+    ids = served["ids"]
+    want = captured_by_rule(served["convs"], lambda rid: rid_fraction(rid) < QUARTER)
+    assert 0 < len(want) < len(ids)
+    assert want != {rid for rid in ids if rid_fraction(rid) < QUARTER}  # following added some
+    p = plan([served["dump"]])
+    got = {rid for rid in p.samples if rid in ids} | {rid for rid in p.incomplete if rid in ids}
+    assert got == want
+    p = plan([served["dump"]], {rid: len(ids[rid]) for rid in want})
+    assert not p.incomplete, p.incomplete
+    asm = Assembler(p)
+    assert all(asm.sample(rid).input_ids.tolist() == ids[rid] for rid in want)
+    rest = [rid for rid in ids if rid not in want]
+    cached = served["cached"]
+    assert sum(cached[rid] for rid in rest) > 0.5 * sum(len(ids[rid]) for rid in rest)
+
+
+def test_a_joined_prefix_with_other_token_ids_is_refused(served, tmp_path):
+    dump = str(tmp_path / "dump")
+    shutil.copytree(served["dump"], dump)
+    (run,) = open_runs(dump)
+    index = os.path.join(run.path, "index", "dp0-tp0-pp0.jsonl")
+    lines = [json.loads(x) for x in open(index)]
+    victim = None
+    for line in lines:
+        for s in line.get("seqs", []):
+            if victim is None and s.get("src") and s["rid"].endswith("/m"):
+                s["src_hash"] = "0" * 32
+                victim = s["rid"]
+    assert victim is not None
+    with open(index, "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+    ids = served["marked_ids"]
+    p = plan([dump], {rid: len(t) for rid, t in ids.items()})
+    with pytest.raises(TokensDiffer, match="joined from request"):
+        Assembler(p).sample(victim)
+    report = verify([dump], dataset=ids, jobs=1)
+    assert any(f.rid == victim and "joined from request" in f.message for f in report.findings), report.findings
+    assert report.stats["samples_incomplete"] >= 1
