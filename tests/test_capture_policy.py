@@ -5,12 +5,14 @@ import pytest
 
 from hs_capture.dump.capture_policy import MARK, CapturePolicy, rid_fraction
 from hs_capture.server.config import ConfigError, capture_policy
+from hs_capture.dump.token_hash import prefix_hash
+from hs_capture.server.captured_prefixes import CapturedPrefixes
 from hs_capture.server.requests import RequestPicker
 
 
 class Req:
-    def __init__(self, rid, extra_key=None):
-        self.rid, self.extra_key = rid, extra_key
+    def __init__(self, rid, extra_key=None, ids=()):
+        self.rid, self.extra_key, self.origin_input_ids, self.output_ids = rid, extra_key, list(ids), []
 
 
 def test_the_hash_picks_about_the_fraction_and_the_same_rids_every_time():
@@ -59,8 +61,60 @@ def test_a_finished_request_is_forgotten():
     ({"HSCAP_CAPTURE_FRACTION": "x"}, "HSCAP_CAPTURE_FRACTION='x' is not a number"),
     ({"HSCAP_CAPTURE_FRACTION": "-0.1"}, "HSCAP_CAPTURE_FRACTION=-0.1 is outside [0, 1]"),
     ({"HSCAP_CACHE_NAMESPACE": "yes"}, "HSCAP_CACHE_NAMESPACE='yes': choose 1"),
+    ({"HSCAP_REUSE_CAPTURED": "on"}, "HSCAP_REUSE_CAPTURED='on': choose 1"),
+    ({"HSCAP_FOLLOW": "1"}, "HSCAP_FOLLOW=1 needs HSCAP_REUSE_CAPTURED=1"),
 ])
 def test_bad_policy_settings_are_one_line(env, message):
     with pytest.raises(ConfigError) as e:
         capture_policy(env)
     assert str(e.value).startswith(message)
+
+
+def test_captured_prefixes_hold_whole_blocks_of_captured_prompts_for_other_requests():
+    idx = CapturedPrefixes(block=4)
+    system, a, b = list(range(100, 110)), [1, 2, 3, 4, 5, 6], [7, 8, 9]
+    first = idx.prompt(system + a)
+    assert idx.limit(first, "a") == (0, None)
+    idx.add(first, "a")
+    assert idx.limit(idx.prompt(system + a), "a") == (0, None)  # its own blocks: never borrowed from itself
+    assert idx.limit(idx.prompt(system + a), "a2") == (16, "a")  # 16 tokens: its whole blocks
+    assert idx.limit(idx.prompt(system + b), "b") == (8, "a")  # the shared system prompt's whole blocks
+    assert idx.limit(idx.prompt([0] + system), "c") == (0, None)  # same tokens elsewhere: nothing
+    idx.add(idx.prompt(system + b), "b")
+    assert idx.limit(idx.prompt(system + b + [1]), "d") == (12, "b")
+    assert idx.limit(idx.prompt(system[:8] + [0]), "d") == (8, "a")  # the first owner keeps a block
+    # continuing a captured prompt: the whole of it and more, the tail past its last block included
+    assert idx.extends(idx.prompt(system + a + [42, 43]))
+    assert not idx.extends(idx.prompt(system + a))  # the same prompt again is no continuation
+    assert not idx.extends(idx.prompt(system + [1, 2, 3, 4, 5, 99, 42]))  # it differs inside the tail
+    assert not idx.extends(idx.prompt(system[:8] + [0, 0] + a))
+    small = CapturedPrefixes(block=4, max_blocks=3)
+    small.add(small.prompt(list(range(40))), "x")
+    assert small.limit(small.prompt(list(range(40))), "y") == (40, "x")  # the newest blocks stay
+    assert small.limit(small.prompt(list(range(12))), "y") == (0, None)  # the oldest went first
+
+
+def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold_and_follows_conversations():
+    picker = RequestPicker(CapturePolicy(fraction=0.0, reuse_captured=True, follow=True), radix_cache=True)
+    turn0 = Req("t0", MARK, range(100, 170))
+    picker.on_new_request(turn0)
+    assert turn0.extra_key is None  # the bare mark comes off: captured requests share the cache
+    assert picker.limit_prefix(turn0, 69) == 0  # nothing captured yet
+    turn0.prefix_len = 0
+    picker.after_match(turn0)
+    assert turn0._hscap_borrow is None
+    turn1 = Req("t1", None, list(range(100, 170)) + [5, 6, 7])  # unmarked, not picked: it continues t0
+    picker.on_new_request(turn1)
+    assert picker.captured("t1") and not picker.captured("other")
+    assert picker.limit_prefix(turn1, 72) == 64  # t0's whole blocks (32 tokens each)
+    turn1.prefix_len = 60  # SGLang matched less than the cap
+    picker.after_match(turn1)
+    assert picker.borrow_of("t1", 60) == ("t0", prefix_hash(range(100, 160)))
+    assert picker.borrow_of("t1", 64) is None and picker.borrow_of("t0", 0) is None
+    stranger = Req("s", None, range(100, 140))
+    picker.on_new_request(stranger)
+    assert not picker.captured("s")  # shares t0's start but does not continue it
+    plain = RequestPicker(CapturePolicy(fraction=0.0, reuse_captured=True), radix_cache=True, can_reuse=False)
+    r = Req("m", MARK, range(10))
+    plain.on_new_request(r)
+    assert plain.reuse is None and r.extra_key.startswith(MARK + "|")  # no cap to set: a namespace of its own

@@ -239,6 +239,14 @@ def test_doctor_says_which_capture_policy_runs_and_what_the_radix_cache_does(tmp
     monkeypatch.setenv("HSCAP_CACHE_NAMESPACE", "0")
     code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
     assert f["radix cache"].status == "warn" and "reported incomplete" in f["radix cache"].detail
+    monkeypatch.setenv("HSCAP_REUSE_CAPTURED", "1")
+    monkeypatch.setenv("HSCAP_FOLLOW", "1")
+    code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
+    assert f["radix cache"].status == "ok" and "reuse only prefixes captured requests computed" in f["radix cache"].detail
+    assert f["capture policy"].detail.startswith("0.05 of requests by rid hash and requests marked extra_key=hscap* "
+                                                 "and the requests that continue a captured prompt")
+    monkeypatch.delenv("HSCAP_REUSE_CAPTURED")
+    monkeypatch.delenv("HSCAP_FOLLOW")
     monkeypatch.setenv("HSCAP_CAPTURE_FRACTION", "1.5")
     code, f = in_process(("--model-path", "m", "--disable-cuda-graph"))
     assert code == 1 and f["settings"].detail == "HSCAP_CAPTURE_FRACTION=1.5 is outside [0, 1]"
@@ -255,5 +263,8 @@ def test_hscap_serve_keeps_the_radix_cache_and_sets_the_fraction_when_asked(tmp_
     res = CliRunner().invoke(main, [*base, "--fraction", "0.05", "--keep-radix-cache", "--", "--model-path", "m"])
     assert res.exit_code == 0 and "--disable-radix-cache" not in res.output
     assert res.output.startswith("HSCAP_CAPTURE_FRACTION=0.05 HSCAP_DIR=") and "HSCAP_PRENORM=1" in res.output
+    res = CliRunner().invoke(main, [*base, "--fraction", "0.05", "--follow", "--", "--model-path", "m"])
+    assert res.exit_code == 0 and "--disable-radix-cache" not in res.output  # --follow keeps the cache
+    assert "HSCAP_FOLLOW=1" in res.output and "HSCAP_REUSE_CAPTURED=1" in res.output
     res = CliRunner().invoke(main, [*base, "--fraction", "2", "--", "--model-path", "m"])
     assert res.exit_code == 2 and "2.0 is not in the range 0.0<=x<=1.0" in res.output

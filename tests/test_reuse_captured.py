@@ -134,3 +134,23 @@ def test_a_joined_prefix_with_other_token_ids_is_refused(served, tmp_path):
     report = verify([dump], dataset=ids, jobs=1)
     assert any(f.rid == victim and "joined from request" in f.message for f in report.findings), report.findings
     assert report.stats["samples_incomplete"] >= 1
+
+
+def test_a_sample_whose_prefix_source_is_not_whole_is_incomplete_and_says_why(served, tmp_path):
+    dump = str(tmp_path / "dump")
+    shutil.copytree(served["dump"], dump)
+    (run,) = open_runs(dump)
+    index = os.path.join(run.path, "index", "dp0-tp0-pp0.jsonl")
+    lines = [json.loads(x) for x in open(index)]
+    src = next(s["src"] for line in lines for s in line.get("seqs", []) if s.get("src") and s["rid"].endswith("/m"))
+    for line in lines:  # the source's capture is lost
+        line["seqs"] = [s for s in line.get("seqs", []) if s["rid"] != src]
+    with open(index, "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+    ids = served["marked_ids"]
+    p = plan([dump], {rid: len(t) for rid, t in ids.items()})
+    hit = {rid: why for rid, why in p.incomplete.items() if rid != src}
+    # those that borrowed from it, and those that borrowed from them in turn
+    assert hit and all("are borrowed from request" in why for why in hit.values())
+    assert any(f"borrowed from request {src!r}" in why for why in hit.values())
+    assert src in p.incomplete
