@@ -15,7 +15,11 @@ shared, each turn sent when the one before is answered, 64 conversations at a ti
 client that marks nothing. `chat-off` is the plain server; `chat-5` and `chat-100` the hooked
 one keeping the radix cache (`hscap serve --keep-radix-cache`) capturing 5% of requests (by rid
 hash) and all of them; `chat-serve` is `hscap serve` as for a dataset (radix cache off). Each
-is compared with the mean of the plain chat servers.
+is compared with the mean of the plain chat servers. `alt-chat` and `alt-chat-reuse` take both
+sides from one hooked server, in rounds (CHAT_ROUNDS): `off` unmarked, `onN` N% of requests
+marked, `cvN` the first turn of N% of the conversations marked; `alt-chat-reuse` shares the
+radix cache with its captured requests (HSCAP_REUSE_CAPTURED=1) and captures the turns that
+continue a captured one (HSCAP_FOLLOW=1).
 
 The `alt-*` and `split-*` servers take both sides from one hooked server that captures only
 the requests a client marks: the same texts are sent in rounds, unmarked (`off`) and marked
@@ -53,6 +57,7 @@ import json
 import os
 import queue
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -111,6 +116,10 @@ SERVERS: Dict[str, tuple] = {
     "alt-three-fwd": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_HANDOFF": "forward"}, "shm", "alt"),
     "alt-pre3-disk": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "disk", "alt"),
     "alt-chat": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "chat-alt"),
+    # captured requests share the radix cache, reusing what captured requests computed, and the
+    # server captures the turns that continue a captured one (`hscap serve --follow`)
+    "alt-chat-reuse": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_REUSE_CAPTURED": "1",
+                                       "HSCAP_FOLLOW": "1"}, "shm", "chat-alt"),
     # the compact tier (states_gbps counts them as bfloat16, the rate the server produces)
     "alt-pre3-fp8": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_STORE": "fp8"}, "shm", "alt"),
 }
@@ -129,7 +138,9 @@ D2H_GBPS = float(os.environ.get("D2H_GBPS", "3"))
 # the same, with the processes split across physical cores (tune_writer) in the -split rounds
 SPLIT_ROUNDS = "off,on,off-split,on-split,off-split,on,off,on-split,off-split"
 DRAIN_S = 3.0  # after an `on` round: the writer's backlog (~1 s of states at most) drains before the next round
-CHAT_ALT_ROUNDS = "off,on5,off,on5,off,on100,off"
+# a chat server's rounds: onN marks N% of requests; cvN marks the first turn of N% of the
+# conversations, whose later turns a following server captures on its own
+CHAT_ALT_ROUNDS = os.environ.get("CHAT_ROUNDS") or "off,on5,off,on5,off,on100,off"
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_SYSTEM, CHAT_CONCURRENCY = 600, 4, 1024, 64
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
 
@@ -243,10 +254,12 @@ def flush_cache(url: str) -> None:
     urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b""), timeout=60).read()
 
 
-def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str = "") -> dict:
+def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str = "",
+              conversations: bool = False) -> dict:
     """The chat traffic (the first CHAT_CONCURRENCY conversations are the warm-up): each turn's
     prompt is the system prompt and every message before it, sent once the turn before is
-    answered; the client marks `fraction` of the requests for capture (by default none)."""
+    answered; the client marks `fraction` of the requests for capture (by default none), or
+    with `conversations` the first turn of `fraction` of the conversations."""
     with open(os.path.join(data, "chat.json")) as f:
         doc = json.load(f)
     convs = doc["conversations"][:CHAT_CONCURRENCY] if warm else doc["conversations"][CHAT_CONCURRENCY:]
@@ -260,7 +273,8 @@ def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str =
             prompt += c["messages"][2 * t]
             rid = f"chat{tag}-{'w' if warm else ''}{i}-{t}"
             try:
-                meta = post(url, prompt, rid, marked(rid, fraction))
+                mark = (t == 0 and marked(f"chat{tag}-{i}", fraction)) if conversations else marked(rid, fraction)
+                meta = post(url, prompt, rid, mark)
                 with lock:
                     totals["requests"] += 1
                     totals["prompt_tokens"] += len(prompt)
@@ -551,7 +565,7 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
             flush_cache(srv.url)  # every round starts from an empty prefix cache
             fraction = 0.0 if r == "off" else int(r[2:]) / 100
             with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
-                s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}")
+                s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}", conversations=r[:2] == "cv")
             rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "thread_cpu_s": threads.cpu_s})
             print(json.dumps(rounds[-1]), flush=True)
     return rounds
@@ -680,6 +694,10 @@ def main() -> None:
     unknown = sorted(set(ALT_ROUNDS.split(",")) - set(ROUND_NAMES))
     if unknown:
         ap.error(f"ROUNDS: unknown round {', '.join(unknown)} (the rounds are {', '.join(ROUND_NAMES)})")
+    bad = [r for r in CHAT_ALT_ROUNDS.split(",") if not re.fullmatch(r"off|(on|cv)\d+", r)]
+    if bad:
+        ap.error(f"CHAT_ROUNDS: unknown round {', '.join(bad)} (off, onN: N% of requests marked, cvN: the first "
+                 "turn of N% of conversations marked)")
     if a.verify in SERVERS and SERVERS[a.verify][4] in ("chat", "chat-alt"):
         ap.error(f"--verify {a.verify}: the chat traffic's requests are not listed for verify; name another server")
     stage(a.root, a.texts)
