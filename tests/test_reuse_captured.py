@@ -154,3 +154,16 @@ def test_a_sample_whose_prefix_source_is_not_whole_is_incomplete_and_says_why(se
     assert hit and all("are borrowed from request" in why for why in hit.values())
     assert any(f"borrowed from request {src!r}" in why for why in hit.values())
     assert src in p.incomplete
+
+
+def test_the_live_reader_names_what_it_does_not_join(served):
+    from hs_capture.offline.read.follow import Follower
+
+    ids = served["marked_ids"]
+    f = Follower([served["dump"]], {rid: len(t) for rid, t in ids.items()})
+    whole = {w.rid for w in f.poll()}
+    f.close_check()
+    whole |= {w.rid for w in f.poll()}
+    joined = {rid: why for rid, why in f.pending.items() if "live reader does not do" in why}
+    assert joined and not set(joined) & whole, (sorted(f.pending.items())[:5], len(whole))
+    assert whole and all(rid.endswith("-t0/m") for rid in whole)  # only what no capture lent a prefix to

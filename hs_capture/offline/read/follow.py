@@ -340,7 +340,8 @@ class Follower:
                        else f"step {line.step} of {st.tag} lacks {', '.join(lacking)}")
                 self._give_up(st, s.rid, why, for_good=self._todo is None)
                 continue
-            st.add(s.rid, Piece(key[0], st.tag, line.step, files, s.offset, s.len, s.prefix, line.dtype))
+            st.add(s.rid, Piece(key[0], st.tag, line.step, files, s.offset, s.len, s.prefix, line.dtype, s.src,
+                                s.src_hash))
             touched.append(s.rid)
         ended = st.by_last.get(line.step - 1, ())  # this step does not continue them
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
@@ -393,6 +394,10 @@ class Follower:
             elif closing or st.steps.spans(max(min(cap.pieces) - 1, 0), cap.last + 1):
                 st.short.discard(rid)
                 why = self._chain(cap, self._todo[rid] if self._todo is not None else None).reason
+                joined = next((p for p in cap.pieces.values() if p.src is not None), None)
+                if joined is not None:  # HSCAP_REUSE_CAPTURED: its prefix is in another request's capture
+                    why = (f"positions 0-{joined.prefix} are joined from request {joined.src!r}'s capture, which a "
+                           "live reader does not do: merge the dump, or read it once the server is done")
                 self._give_up(st, rid, f"its capture on {st.tag} of run {st.run_id} ended short of whole ({why})",
                               for_good=False)
 
