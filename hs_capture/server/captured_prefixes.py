@@ -76,10 +76,31 @@ class CapturedPrefixes:
         while len(self._ends) > self.max_ends:
             self._ends.popitem(last=False)
 
-    def extends(self, p: Prompt) -> bool:
+    def continuing(self, tokens: Sequence[int]) -> Optional[Prompt]:
+        """The prompt of a request that continues a captured one (else None), its digests
+        taken only as far as the index holds blocks when it does not: most requests of a
+        production server are not captured, and this runs for every one of them."""
+        b, h = self.block, b""
+        chain: List[bytes] = []
+        k = 0
+        for k in range(len(tokens) // b):  # block by block: the ids of a long prompt are never all converted
+            h = digest(token_bytes(tokens[k * b:(k + 1) * b]), h)
+            chain.append(h)
+            if h not in self._owner:  # a captured prompt it continues would hold every block before its end
+                break
+        else:
+            k = len(tokens) // b
+        # the tail past the last block it holds: a captured prompt may end inside it
+        upto = min(len(tokens), (k + 1) * b)
+        if not self.extends(Prompt(token_bytes(tokens[:upto]), chain), len(tokens)):
+            return None
+        return self.prompt(tokens)
+
+    def extends(self, p: Prompt, length: Optional[int] = None) -> bool:
         """Whether p continues a captured prompt: begins with the whole of it and is longer
-        (the next turn of a captured conversation)."""
-        n = p.tokens
+        (the next turn of a captured conversation). length: the whole prompt's, where p holds
+        only its start."""
+        n = p.tokens if length is None else length
         for k in range(len(p.chain), -1, -1):
             key = p.chain[k - 1] if k else b""
             tails = self._ends.get(key)

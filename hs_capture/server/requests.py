@@ -54,9 +54,12 @@ class RequestPicker:
         key = getattr(req, "extra_key", None)
         picked = self.policy.picks(rid, key)
         prompt = None
-        if self.reuse is not None and (picked or self.follow):
-            prompt = self.reuse.prompt(req.origin_input_ids)
-            picked = picked or self.reuse.extends(prompt)
+        if self.reuse is not None:
+            if picked:
+                prompt = self.reuse.prompt(req.origin_input_ids)
+            elif self.follow:
+                prompt = self.reuse.continuing(req.origin_input_ids)
+                picked = prompt is not None
         if not picked:
             return
         if self.namespaces:
