@@ -142,6 +142,7 @@ DRAIN_S = 3.0  # after an `on` round: the writer's backlog (~1 s of states at mo
 # conversations, whose later turns a following server captures on its own
 CHAT_ALT_ROUNDS = os.environ.get("CHAT_ROUNDS") or "off,on5,off,on5,off,on100,off"
 CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_SYSTEM, CHAT_CONCURRENCY = 600, 4, 1024, 64
+SALT_TOKEN = 7  # a chat round's first token is SALT_TOKEN + its index
 DEFAULT = "off,pre3,pre3-thread,off,all5,one,pre5,off,three,pre3-thread-2,pre3-raw,pre3-disk,off"
 
 
@@ -255,11 +256,13 @@ def flush_cache(url: str) -> None:
 
 
 def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str = "",
-              conversations: bool = False) -> dict:
+              conversations: bool = False, salt: int = 0) -> dict:
     """The chat traffic (the first CHAT_CONCURRENCY conversations are the warm-up): each turn's
     prompt is the system prompt and every message before it, sent once the turn before is
     answered; the client marks `fraction` of the requests for capture (by default none), or
-    with `conversations` the first turn of `fraction` of the conversations."""
+    with `conversations` the first turn of `fraction` of the conversations. A `salt` token
+    before every prompt makes a round's prompts its own: a following server must not take an
+    uncaptured round's turns for continuations of an earlier round's captured ones."""
     with open(os.path.join(data, "chat.json")) as f:
         doc = json.load(f)
     convs = doc["conversations"][:CHAT_CONCURRENCY] if warm else doc["conversations"][CHAT_CONCURRENCY:]
@@ -268,7 +271,7 @@ def send_chat(url: str, data: str, warm: bool, fraction: float = 0.0, tag: str =
 
     def conversation(i: int) -> None:
         c = convs[i]
-        prompt = list(doc["systems"][c["system"]])
+        prompt = ([salt] if salt else []) + list(doc["systems"][c["system"]])
         for t in range(CHAT_TURNS):
             prompt += c["messages"][2 * t]
             rid = f"chat{tag}-{'w' if warm else ''}{i}-{t}"
@@ -565,7 +568,8 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
             flush_cache(srv.url)  # every round starts from an empty prefix cache
             fraction = 0.0 if r == "off" else int(r[2:]) / 100
             with CoreMeter() as cores, ThreadMeter(srv.proc.pid) as threads:
-                s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}", conversations=r[:2] == "cv")
+                s = send_chat(srv.url, data, warm=False, fraction=fraction, tag=f"r{i}", conversations=r[:2] == "cv",
+                              salt=SALT_TOKEN + i)
             rounds.append({"round": r, **s, "busy_cores": cores.busy_cores, "thread_cpu_s": threads.cpu_s})
             print(json.dumps(rounds[-1]), flush=True)
     return rounds
