@@ -510,8 +510,12 @@ def run_server(name: str, a, work: str, data: str) -> dict:
                                                          "held_by_budget_s", "held_by_pinned_s", "pinned_bytes",
                                                          "inflight_budget_bytes", "peak_inflight_bytes")}
         res["writer"]["status"], res["writer"]["disk_bound"] = m.get("status"), m.get("disk_bound")
+    if SERVERS[name][4] == "chat-alt":
+        counts = chat_captured(dump)
+        for i, r in enumerate(res.get("rounds") or []):
+            r.update(counts.get(f"r{i}", {"captured_requests": 0, "captured_tokens": 0, "joined": 0}))
     if layers is not None and a.verify == name:
-        res["verify"] = verify(dump, a, work, data, captured)
+        res["verify"] = verify(dump, a, work, data, None if SERVERS[name][4] == "chat-alt" else captured)
     shutil.rmtree(dump, ignore_errors=True)
     print(json.dumps({k: v for k, v in res.items() if k not in ("hs_dump_lines", "cpu_s")}), flush=True)
     return res
@@ -639,19 +643,42 @@ def summarize_rounds(rounds: List[dict]) -> dict:
     return {"on_over_off": out, "off_tokens_per_s": [round(r["tokens_per_s"]) for r in rounds if r["round"] in PLAIN_ROUNDS]}
 
 
-def verify(dump: str, a, work: str, data: str, captured: List[tuple]) -> dict:
+def chat_captured(dump: str) -> Dict[str, dict]:
+    """Per chat round (its rid tag, `r<i>`): the requests captured, the tokens prefilled for
+    them, and how many of them joined a prefix from another capture (index lines only)."""
+    out: Dict[str, dict] = {}
+    for run in sorted(os.listdir(dump)) if os.path.isdir(dump) else []:
+        index = os.path.join(dump, run, "index")
+        for name in sorted(os.listdir(index)) if os.path.isdir(index) else []:
+            for line in read_jsonl(os.path.join(index, name)):
+                for s in line.get("seqs") or []:
+                    rid = s.get("rid") or ""
+                    if not rid.startswith("chat"):
+                        continue
+                    c = out.setdefault(rid[4:].split("-")[0], {"captured_requests": set(), "captured_tokens": 0,
+                                                               "joined": 0})
+                    c["captured_requests"].add(rid)
+                    c["captured_tokens"] += int(s.get("len") or 0)
+                    c["joined"] += bool(s.get("src"))
+    return {tag: {**c, "captured_requests": len(c["captured_requests"])} for tag, c in out.items()}
+
+
+def verify(dump: str, a, work: str, data: str, captured: Optional[List[tuple]]) -> dict:
     """`hscap verify --dataset --reference` of the dump against what was sent marked: `hscap
-    send`'s parts under their own ids, or each alternating round's texts under its rids."""
+    send`'s parts under their own ids, or each alternating round's texts under its rids.
+    captured None (chat traffic, whose turns are not listed): every captured request as far as
+    it was captured, without --dataset."""
     sent = os.path.join(work, "sent.jsonl")
     with open(sent, "w") as f:
-        for tag, part in captured or [(None, p) for p in ("warm", "a", "b")]:
+        for tag, part in (captured or [(None, p) for p in ("warm", "a", "b")]) if captured is not None else []:
             for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
                 f.write(json.dumps({**row, "id": f"{tag}-{row['id']}"} if tag else row) + "\n")
     t0 = time.monotonic()
     # dummy weights (--shape k25) have no checkpoint to compute a reference from: whole samples only
     reference = [] if a.shape == "k25" else ["--reference", os.path.join(a.model, "text_model"),
                                               "--reference-samples", "8", "--reference-device", "cuda"]
-    doc = hscap_json("verify", dump, "--dataset", sent, "-j", "16", *reference, "--max-findings", "5")
+    dataset = ["--dataset", sent] if captured is not None else []
+    doc = hscap_json("verify", dump, *dataset, "-j", "16", *reference, "--max-findings", "5")
     st = doc.get("stats", {})
     return {"ok": doc.get("ok"), "verify_s": round(time.monotonic() - t0, 1),
             "samples_complete": st.get("samples_complete"), "samples_incomplete": st.get("samples_incomplete"),
@@ -702,8 +729,9 @@ def main() -> None:
     if bad:
         ap.error(f"CHAT_ROUNDS: unknown round {', '.join(bad)} (off, onN: N% of requests marked, cvN: the first "
                  "turn of N% of conversations marked)")
-    if a.verify in SERVERS and SERVERS[a.verify][4] in ("chat", "chat-alt"):
-        ap.error(f"--verify {a.verify}: the chat traffic's requests are not listed for verify; name another server")
+    if a.verify in SERVERS and SERVERS[a.verify][4] == "chat":
+        ap.error(f"--verify {a.verify}: the chat traffic's requests are not listed for verify; name another server "
+                 "(an alt-chat server's dump is verified without --dataset)")
     stage(a.root, a.texts)
     if a.stage_only:
         return
