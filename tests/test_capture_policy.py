@@ -80,18 +80,24 @@ def test_captured_prefixes_hold_whole_blocks_of_captured_prompts_for_other_reque
     assert idx.limit(idx.prompt(system + a), "a2") == (16, "a")  # 16 tokens: its whole blocks
     assert idx.limit(idx.prompt(system + b), "b") == (8, "a")  # the shared system prompt's whole blocks
     assert idx.limit(idx.prompt([0] + system), "c") == (0, None)  # same tokens elsewhere: nothing
+    assert idx.limit(idx.prompt(system + a, namespace=("lora-b", None)), "d") == (0, None)  # another cache
     idx.add(idx.prompt(system + b), "b")
     assert idx.limit(idx.prompt(system + b + [1]), "d") == (12, "b")
     assert idx.limit(idx.prompt(system[:8] + [0]), "d") == (8, "a")  # the first owner keeps a block
     # continuing a captured prompt: the whole of it and more, the tail past its last block included
-    assert idx.extends(idx.prompt(system + a + [42, 43]))
-    assert not idx.extends(idx.prompt(system + a))  # the same prompt again is no continuation
-    assert not idx.extends(idx.prompt(system + [1, 2, 3, 4, 5, 99, 42]))  # it differs inside the tail
-    assert not idx.extends(idx.prompt(system[:8] + [0, 0] + a))
+    assert idx.continuing(system + a + [42, 43]) is not None
+    assert idx.continuing(system + a) is None  # the same prompt again is no continuation
+    assert idx.continuing(system + [1, 2, 3, 4, 5, 99, 42]) is None  # it differs inside the tail
+    assert idx.continuing(system[:8] + [0, 0] + a) is None
+    assert idx.continuing(system + a + [42], namespace=("lora-b", None)) is None
+    # a chunk holds only what it computed; the prompt's end only once reached
+    idx.add(idx.prompt(list(range(50, 70))), "z", upto=10)
+    assert idx.limit(idx.prompt(list(range(50, 70))), "y") == (8, "z")
+    assert idx.continuing(list(range(50, 72))) is None
     small = CapturedPrefixes(block=4, max_blocks=3)
     small.add(small.prompt(list(range(40))), "x")
-    assert small.limit(small.prompt(list(range(40))), "y") == (40, "x")  # the newest blocks stay
-    assert small.limit(small.prompt(list(range(12))), "y") == (0, None)  # the oldest went first
+    assert small.limit(small.prompt(list(range(12))), "y") == (0, None)  # the oldest blocks went first
+    assert small.limit(small.prompt(list(range(40))), "y") == (0, None)  # and with them every later one
 
 
 def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold_and_follows_conversations():
@@ -103,6 +109,11 @@ def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold
     turn0.prefix_len = 0
     picker.after_match(turn0)
     assert turn0._hscap_borrow is None
+    follower = Req("t1", None, list(range(100, 170)) + [5, 6, 7])
+    picker.on_new_request(follower)
+    assert not picker.captured("t1")  # t0 only waited: it holds nothing until it is in a batch
+    turn0.extend_end = 70
+    picker.on_batch([turn0])
     turn1 = Req("t1", None, list(range(100, 170)) + [5, 6, 7])  # unmarked, not picked: it continues t0
     picker.on_new_request(turn1)
     assert picker.captured("t1") and not picker.captured("other")
@@ -110,7 +121,9 @@ def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold
     turn1.prefix_len = 60  # SGLang matched less than the cap
     picker.after_match(turn1)
     assert picker.borrow_of("t1", 60) == ("t0", prefix_hash(range(100, 160)))
-    assert picker.borrow_of("t1", 64) is None and picker.borrow_of("t0", 0) is None
+    # a prefix that grew after the match (HiCache's host hits), within the cap
+    assert picker.borrow_of("t1", 62) == ("t0", prefix_hash(range(100, 162)))
+    assert picker.borrow_of("t1", 65) is None and picker.borrow_of("t0", 0) is None
     stranger = Req("s", None, range(100, 140))
     picker.on_new_request(stranger)
     assert not picker.captured("s")  # shares t0's start but does not continue it
@@ -118,3 +131,28 @@ def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold
     r = Req("m", MARK, range(10))
     plain.on_new_request(r)
     assert plain.reuse is None and r.extra_key.startswith(MARK + "|")  # no cap to set: a namespace of its own
+
+
+def test_two_pickers_fed_the_same_calls_cap_alike_however_often_they_are_asked():
+    """Tensor-parallel ranks: each scheduler asks for the cap as often as it sorts its queue
+    (not the same on every rank); only forming a batch changes the index."""
+    import random
+
+    rng = random.Random(3)
+    system = [rng.randrange(1000) for _ in range(96)]
+    reqs = [(f"r{i}", system + [rng.randrange(1000) for _ in range(rng.randrange(5, 80))]) for i in range(40)]
+    caps = []
+    for asks in (1, 5):
+        picker = RequestPicker(CapturePolicy(fraction=0.5, reuse_captured=True, follow=True), radix_cache=True)
+        picker.reuse.max_blocks = 16  # evictions too
+        out = []
+        for rid, ids in reqs:
+            r = Req(rid, None, ids)
+            picker.on_new_request(r)
+            for _ in range(asks):
+                cap = picker.limit_prefix(r, len(ids) - 1)
+            out.append((picker.captured(rid), cap))
+            r.extend_end = len(ids)
+            picker.on_batch([r])
+        caps.append(out)
+    assert caps[0] == caps[1] and any(c for _, c in caps[0])

@@ -23,7 +23,7 @@ from hs_capture.offline.read.assemble import Assembler, TokensDiffer
 from hs_capture.offline.read.planning import plan
 from hs_capture.offline.read.reader import open_runs
 from hs_capture.offline.verify import verify
-from tests.sglang_cpu.harness import Server, server_env
+from tests.sglang_cpu.harness import REPO, Server, server_env
 from tests.test_e2e import LAYERS, assert_equal_to_transformers
 from tests.test_production_capture import CHUNK, send_conversations, workload
 
@@ -46,15 +46,22 @@ def captured_by_rule(convs, picked) -> set:
     return out
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["0.5.23", "0.5.15"])
+def served(request, tiny_model, tmp_path_factory):
+    """The suite's release, and 0.5.15 (where the cap is first there) where its venv was made."""
+    python = None
+    if request.param != "0.5.23":
+        python = os.path.join(REPO, ".venvs", f"sglang-{request.param}", "bin", "python")
+        if not os.path.exists(python):
+            pytest.skip(f"no venv for sglang {request.param}: bash bin/setup_sglang_venv.sh {request.param}")
     root = tmp_path_factory.mktemp("reuse")
     dump = str(root / "dump")
     marked_convs, convs = workload(7), workload(5)
     srv = Server(tiny_model, server_env(dump, HSCAP_LAYERS=",".join(map(str, LAYERS)),
                                         HSCAP_CAPTURE_FRACTION=str(QUARTER), HSCAP_REUSE_CAPTURED="1",
                                         HSCAP_FOLLOW="1"),
-                 str(root / "server.log"), ["--chunked-prefill-size", str(CHUNK)], warmup=False)  # radix cache on
+                 str(root / "server.log"), ["--chunked-prefill-size", str(CHUNK)], warmup=False,
+                 python=python)  # radix cache on
     try:
         srv.wait_healthy()
         marked = {**send_conversations(srv.url, marked_convs, "/m", MARK),
@@ -64,7 +71,7 @@ def served(tiny_model, tmp_path_factory):
         srv.stop()
     ids = {rid + s: t for turns in convs for rid, t in turns for s in SENDS}
     marked_ids = {rid + s: t for turns in marked_convs for rid, t in turns for s in ("/m", "/m-again")}
-    return {"root": root, "dump": dump, "convs": convs, "ids": ids, "cached": cached, "marked": marked,
+    return {"release": request.param, "root": root, "dump": dump, "convs": convs, "ids": ids, "cached": cached, "marked": marked,
             "marked_ids": marked_ids, "log": srv.log()}
 
 
@@ -75,6 +82,7 @@ def as_arrays(s):
 
 def test_marked_requests_reuse_captured_prefixes_and_are_joined_whole_and_right(served, tiny_model):
     (run,) = open_runs(served["dump"])
+    assert run.ranks["dp0-tp0-pp0"].sglang_version == served["release"]
     policy = run.ranks["dp0-tp0-pp0"].extra["capture_policy"]
     assert policy["reuse_captured"] is True and policy["follow"] is True and policy["own_namespace"] is False
     assert "radix cache on: captured requests reuse only prefixes that captured requests computed" in served["log"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Iterable, List
+from typing import Dict, Iterable, List
 
 DIGEST = 16
 
@@ -29,11 +29,25 @@ def prefix_hash(tokens: Iterable[int]) -> str:
     return digest(token_bytes(tokens)).hex()
 
 
-def block_chain(data: bytes, block: int) -> List[bytes]:
-    """Chained digests of each whole block of `block` tokens in `data` (token_bytes)."""
+def prefix_hashes(tokens: Iterable[int], lengths: Iterable[int]) -> Dict[int, str]:
+    """prefix_hash of each of the first `n` tokens, for every n in lengths, in one pass."""
+    data = token_bytes(tokens)
+    h = hashlib.blake2b(digest_size=DIGEST)
+    out: Dict[int, str] = {}
+    at = 0
+    for n in sorted(set(lengths)):
+        h.update(data[at * 8:n * 8])
+        at = n
+        out[n] = h.copy().hexdigest() if n * 8 <= len(data) else ""
+    return out
+
+
+def block_chain(data: bytes, block: int, seed: bytes = b"") -> List[bytes]:
+    """Chained digests of each whole block of `block` tokens in `data` (token_bytes), the
+    first chained onto `seed`."""
     out: List[bytes] = []
     step = block * 8
-    h = b""
+    h = seed
     for k in range(len(data) // step):
         h = digest(data[k * step:(k + 1) * step], h)
         out.append(h)

@@ -293,9 +293,9 @@ def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["reque
     own = requests_mod.namespacing()
     reuse = picker is not None and picker.reuse is not None
     if radix and cfg.policy.reuse_captured and not reuse and picker is not None:
-        log.warning("WARNING: SGLang %s has no Req._compute_max_prefix_len to cap prefix matches with "
-                    "(HSCAP_REUSE_CAPTURED=1 needs 0.5.15 or later): captured requests get a cache namespace of "
-                    "their own instead", sglang_version())
+        log.warning("WARNING: HSCAP_REUSE_CAPTURED=1 is not taken (SGLang %s): %s; captured requests %s",
+                    sglang_version(), requests_mod.reuse_refused(), "get a cache namespace of their own instead"
+                    if own else "share the cache as HSCAP_CACHE_NAMESPACE=0 says")
     log.info("capture policy: %s; %s", policy, "radix cache off" if not radix else (
         "radix cache on: captured requests reuse only prefixes that captured requests computed (merge joins "
         "them), the rest keep their prefix reuse" if reuse else

@@ -3,19 +3,22 @@ scheduled with, so that a captured request reuses from the radix cache only a pr
 states are in the dump already (the rest of its prompt is prefilled and captured), and so that
 a request continuing a captured conversation can be captured too (HSCAP_FOLLOW=1).
 
-Prompts are keyed by chained digests of whole blocks of BLOCK tokens (dump/token_hash.py): a
-request may reuse the longest run of blocks some other captured request holds. A block keeps
-its first owner (whose capture holds it, or borrows it in turn); memory is bounded (least
-recently used blocks go first: a forgotten prefix is prefilled again, never borrowed wrongly).
-Every tensor-parallel rank's scheduler sees the same requests scheduled in the same order, so
-every rank's index, and so its prefix matches, agree.
+Prompts are keyed by chained digests of whole blocks of BLOCK tokens (dump/token_hash.py),
+seeded with the request's radix-cache namespace: a request may reuse the longest run of blocks
+some other captured request of its namespace holds. A request holds its blocks once it is put
+in a prefill batch (ScheduleBatch.prepare_for_extend), up to the end of that chunk, so a
+request that waited and was never run holds nothing. A block keeps its first owner (whose
+capture holds it, or borrows it in turn); memory is bounded (the least recently added blocks
+go first: a forgotten prefix is prefilled again, never borrowed wrongly). Every
+tensor-parallel rank's scheduler forms the same batches in the same order, and only forming a
+batch changes the index, so every rank's index, and so its prefix matches, agree.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from hs_capture.dump.token_hash import block_chain, digest, token_bytes
 
@@ -28,11 +31,18 @@ MAX_ENDS = 1 << 16
 class Prompt:
     """One request's prompt as the index sees it."""
     data: bytes  # token_bytes of the prompt
-    chain: List[bytes]  # chained digests of its whole blocks
+    chain: List[bytes]  # chained digests of its whole blocks, seeded with its cache namespace
+    seed: bytes = b""  # the digest of its cache namespace (SGLang's extra_key, a LoRA's id in it, cache_salt)
 
     @property
     def tokens(self) -> int:
         return len(self.data) // 8
+
+
+def namespace_seed(namespace: Any) -> bytes:
+    """The digest every chain of prompts in this radix-cache namespace starts from: a prefix is
+    only ever reused from a request whose cache it could have come from."""
+    return digest(repr(namespace).encode("utf-8", "surrogatepass"))
 
 
 class CapturedPrefixes:
@@ -40,35 +50,44 @@ class CapturedPrefixes:
         self.block = block
         self.max_blocks = max_blocks
         self.max_ends = max_ends
+        # block digest -> the first captured request scheduled with it (least recently added first)
         self._owner: "OrderedDict[bytes, str]" = OrderedDict()
-        # a captured prompt's end: its last whole block's digest (b"" for none) -> tail length
-        # -> digests of the whole prompt (the block chain carried over the tail)
+        # a captured prompt's end: its last whole block's digest (the seed for none) -> tail
+        # length -> digests of the whole prompt (the block chain carried over the tail)
         self._ends: "OrderedDict[bytes, Dict[int, Set[bytes]]]" = OrderedDict()
 
-    def prompt(self, tokens: Sequence[int]) -> Prompt:
-        data = token_bytes(tokens)
-        return Prompt(data, block_chain(data, self.block))
+    def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
+        data, seed = token_bytes(tokens), namespace_seed(namespace)
+        return Prompt(data, block_chain(data, self.block, seed), seed)
 
     def limit(self, p: Prompt, rid: Optional[str]) -> Tuple[int, Optional[str]]:
-        """(how many of p's first tokens another captured request holds, that request's rid)."""
-        for k in range(len(p.chain), 0, -1):
-            owner = self._owner.get(p.chain[k - 1])
-            if owner is not None and owner != rid:
-                self._owner.move_to_end(p.chain[k - 1])
-                return k * self.block, owner
-        return 0, None
+        """(how many of p's first tokens other captured requests hold, the request holding the
+        last of them). Reads only: every tensor-parallel rank asks this as often as its
+        scheduler does, and the answer must not depend on how often that was."""
+        held, owner = 0, None
+        for k, h in enumerate(p.chain):
+            o = self._owner.get(h)
+            if o is None or o == rid:  # a request never borrows from itself (a re-sent rid)
+                break
+            held, owner = (k + 1) * self.block, o
+        return held, owner
 
-    def add(self, p: Prompt, rid: str) -> None:
-        """A captured request was scheduled with prompt p: its blocks are held from now on."""
-        for h in p.chain:
+    def add(self, p: Prompt, rid: str, upto: Optional[int] = None) -> None:
+        """A captured request was put in a prefill batch, computing its prompt up to `upto`
+        (the end of this chunk; None: all of it): those blocks are held from now on, and the
+        prompt's end once it is reached."""
+        n = p.tokens if upto is None else min(upto, p.tokens)
+        for h in p.chain[:n // self.block]:
             if h in self._owner:
                 self._owner.move_to_end(h)
             else:
                 self._owner[h] = rid
         while len(self._owner) > self.max_blocks:
             self._owner.popitem(last=False)
+        if n < p.tokens:
+            return
         k = len(p.chain)
-        key = p.chain[-1] if k else b""
+        key = p.chain[-1] if k else p.seed
         tails = self._ends.setdefault(key, {})
         self._ends.move_to_end(key)
         tail = p.data[k * self.block * 8:]
@@ -76,11 +95,12 @@ class CapturedPrefixes:
         while len(self._ends) > self.max_ends:
             self._ends.popitem(last=False)
 
-    def continuing(self, tokens: Sequence[int]) -> Optional[Prompt]:
+    def continuing(self, tokens: Sequence[int], namespace: Any = None) -> Optional[Prompt]:
         """The prompt of a request that continues a captured one (else None), its digests
         taken only as far as the index holds blocks when it does not: most requests of a
         production server are not captured, and this runs for every one of them."""
-        b, h = self.block, b""
+        b, seed = self.block, namespace_seed(namespace)
+        h = seed
         chain: List[bytes] = []
         k = 0
         for k in range(len(tokens) // b):  # block by block: the ids of a long prompt are never all converted
@@ -92,9 +112,9 @@ class CapturedPrefixes:
             k = len(tokens) // b
         # the tail past the last block it holds: a captured prompt may end inside it
         upto = min(len(tokens), (k + 1) * b)
-        if not self.extends(Prompt(token_bytes(tokens[:upto]), chain), len(tokens)):
+        if not self.extends(Prompt(token_bytes(tokens[:upto]), chain, seed), len(tokens)):
             return None
-        return self.prompt(tokens)
+        return self.prompt(tokens, namespace)
 
     def extends(self, p: Prompt, length: Optional[int] = None) -> bool:
         """Whether p continues a captured prompt: begins with the whole of it and is longer
@@ -102,7 +122,7 @@ class CapturedPrefixes:
         only its start."""
         n = p.tokens if length is None else length
         for k in range(len(p.chain), -1, -1):
-            key = p.chain[k - 1] if k else b""
+            key = p.chain[k - 1] if k else p.seed
             tails = self._ends.get(key)
             if not tails:
                 continue

@@ -210,10 +210,16 @@ def check_flags(ns: Any) -> List[Finding]:
             own, reuse = policy.own_namespace, policy.reuse_captured
         except config_mod.ConfigError:
             own = reuse = False  # the settings finding says why
-        if reuse:
+        if reuse and int(flag(ns, "pp_size") or 1) > 1:
+            out.append(Finding("radix cache", WARN, "HSCAP_REUSE_CAPTURED=1 is not taken with pipeline parallelism "
+                               "(a stage's scheduler may match prefixes the others never see): captured requests "
+                               + ("get a cache namespace of their own" if own else "share the cache, hits incomplete"),
+                               "unset HSCAP_REUSE_CAPTURED, or serve without --pp-size"))
+        elif reuse:
             out.append(Finding("radix cache", OK, "on and shared: captured requests reuse only prefixes captured "
-                               "requests computed (HSCAP_REUSE_CAPTURED=1; SGLang 0.5.15 or later, else each is "
-                               "prefilled whole), merge joins them; the other requests keep their prefix reuse"))
+                               "requests computed (HSCAP_REUSE_CAPTURED=1, SGLang 0.5.15 or later: the server log "
+                               "says when it is not taken), merge joins them; the other requests keep their "
+                               "prefix reuse"))
         elif own:
             out.append(Finding("radix cache", OK, "on: each captured request gets a cache namespace of its own and "
                                "is prefilled whole; the other requests keep their prefix reuse"))

@@ -157,9 +157,17 @@ class HsCaptureInstrumentor(Instrumentor):
                 requests_mod.after_match(instance)
             return out
 
+        def extend_batch_wrapper(wrapped, instance, args, kwargs):
+            out = wrapped(*args, **kwargs)
+            requests_mod.on_batch(instance.reqs)
+            return out
+
+        batch_cls = getattr(mod, "ScheduleBatch", None)
         note = "captured requests cannot reuse captured prefixes: each is prefilled whole"
-        if self.wrap(req_cls, "_compute_max_prefix_len", max_prefix_wrapper, note=note) != REFUSED and \
-                self.wrap(req_cls, "init_next_round_input", next_round_wrapper, note=note) != REFUSED:
+        if batch_cls is not None and \
+                self.wrap(req_cls, "_compute_max_prefix_len", max_prefix_wrapper, note=note) != REFUSED and \
+                self.wrap(req_cls, "init_next_round_input", next_round_wrapper, note=note) != REFUSED and \
+                self.wrap(batch_cls, "prepare_for_extend", extend_batch_wrapper, note=note) != REFUSED:
             requests_mod.set_reuse_hooked(True)
 
 

@@ -53,21 +53,26 @@ class RequestPicker:
         rid = getattr(req, "rid", None)
         key = getattr(req, "extra_key", None)
         picked = self.policy.picks(rid, key)
+        if not picked and not self.follow:
+            return
+        if picked:
+            if self.namespaces:
+                with self._lock:
+                    n = next(self._count)
+                req.extra_key = f"{key or ''}{_SUFFIX}{n}"
+            elif key == MARK:  # the bare mark is ours: the request shares the cache as an unmarked one would
+                req.extra_key = None
         prompt = None
-        if self.reuse is not None:
+        # SGLang never matches a prompt with embedding overrides: it is prefilled whole and held by no one
+        if self.reuse is not None and getattr(req, "positional_embed_overrides", None) is None:
+            ns = (getattr(req, "extra_key", None), getattr(req, "cache_salt", None))  # its radix-cache namespace
             if picked:
-                prompt = self.reuse.prompt(req.origin_input_ids)
-            elif self.follow:
-                prompt = self.reuse.continuing(req.origin_input_ids)
+                prompt = self.reuse.prompt(req.origin_input_ids, ns)
+            else:
+                prompt = self.reuse.continuing(req.origin_input_ids, ns)
                 picked = prompt is not None
         if not picked:
             return
-        if self.namespaces:
-            with self._lock:
-                n = next(self._count)
-            req.extra_key = f"{key or ''}{_SUFFIX}{n}"
-        elif key == MARK:  # the bare mark is ours: the request shares the cache as an unmarked one would
-            req.extra_key = None
         if prompt is not None:
             req._hscap_prompt = prompt
         if (self.policy.everything and prompt is None) or rid is None:
@@ -81,35 +86,43 @@ class RequestPicker:
 
     def limit_prefix(self, req: Any, n: int) -> int:
         """The prefix length SGLang may match for `req` (it would allow n): a captured request
-        reuses only what another captured request holds."""
+        reuses only what other captured requests hold."""
         prompt = getattr(req, "_hscap_prompt", None)
         if prompt is None or self.reuse is None:
             return n
+        req._hscap_cap = None
         held, owner = self.reuse.limit(prompt, getattr(req, "rid", None))
-        req._hscap_owner = owner
+        req._hscap_cap = (held, owner)
         return min(n, held)
 
     def after_match(self, req: Any) -> None:
-        """SGLang matched `req`'s prefix (before it is prefilled): note what it borrows, and
-        hold its prompt for the captured requests after it."""
+        """SGLang matched `req`'s prefix (it may still wait to be prefilled): note what it
+        borrows, from whom."""
         prompt = getattr(req, "_hscap_prompt", None)
         if prompt is None or self.reuse is None:
             return
         m = matched_prefix(req)
-        owner = getattr(req, "_hscap_owner", None)
-        ids = req.origin_input_ids
-        if m > len(ids):  # a retracted request prefilled again, its output so far included
-            ids = list(ids) + list(req.output_ids)
-        req._hscap_borrow = (m, owner, prefix_hash(ids[:m])) if m > 0 and owner else None
-        if getattr(req, "rid", None) is not None:
-            self.reuse.add(prompt, str(req.rid))
+        held, owner = getattr(req, "_hscap_cap", None) or (0, None)
+        req._hscap_borrow = (m, held, owner, prefix_hash(_ids(req, m))) if 0 < m <= held and owner else None
+
+    def on_batch(self, reqs: Any) -> None:
+        """A prefill batch was formed: its captured requests hold what this chunk computes."""
+        if self.reuse is None:
+            return
+        for req in reqs:
+            prompt = getattr(req, "_hscap_prompt", None)
+            if prompt is not None and getattr(req, "rid", None) is not None:
+                self.reuse.add(prompt, str(req.rid), extend_end(req))
 
     def borrow_of(self, rid: Optional[str], prefix: int) -> Optional[Tuple[str, str]]:
         """(the request whose capture holds positions [0, prefix) of `rid`, the digest of
-        those tokens) when `rid` borrowed exactly that prefix; else None."""
+        those tokens) when `rid` starts there with a borrowed prefix; else None. The prefix
+        may have grown after the match (HiCache loads host hits) but never past the cap."""
         req = self._picked.get(rid) if rid is not None else None
         b = getattr(req, "_hscap_borrow", None)
-        return (b[1], b[2]) if b is not None and b[0] == prefix else None
+        if b is None or not 0 < prefix <= b[1]:
+            return None
+        return b[2], (b[3] if prefix == b[0] else prefix_hash(_ids(req, prefix)))
 
     def captured(self, rid: Optional[str]) -> bool:
         if self.policy.everything:
@@ -128,6 +141,22 @@ class RequestPicker:
 _picker: Optional[RequestPicker] = None
 _hooked = False
 _reuse_hooked = False
+
+
+def _ids(req: Any, n: int) -> Any:
+    """A request's first n token ids (a retracted request prefilled again: its output so far too)."""
+    ids = req.origin_input_ids
+    return ids[:n] if n <= len(ids) else (list(ids) + list(req.output_ids))[:n]
+
+
+def extend_end(req: Any) -> int:
+    """Where the chunk a prefill batch computes of `req` ends: `extend_end` from 0.5.23,
+    `extend_range` in 0.5.15."""
+    end = getattr(req, "extend_end", None)
+    if isinstance(end, int):
+        return end
+    r = getattr(req, "extend_range", None)
+    return int(r.end) if r is not None else len(req.get_fill_ids())
 
 
 def matched_prefix(req: Any) -> int:
@@ -178,8 +207,22 @@ def picker() -> Optional[RequestPicker]:
             return None
         args = server_args()
         radix = args is not None and flag(args, "disable_radix_cache") is False
-        _picker = RequestPicker(config.capture_policy(), radix, _reuse_hooked)
+        pp = int((flag(args, "pp_size") if args is not None else 1) or 1)
+        _picker = RequestPicker(config.capture_policy(), radix, _reuse_hooked and pp == 1)
     return _picker
+
+
+def reuse_refused() -> Optional[str]:
+    """Why captured requests cannot reuse captured prefixes here though the policy asks, or None."""
+    if not _reuse_hooked:
+        return ("this SGLang has no Req._compute_max_prefix_len to cap a prefix match with (0.5.15 or later "
+                "has), or its request classes carry someone else's wrapper")
+    from hs_capture.server.sglang_compat import flag, server_args
+
+    args = server_args()
+    if args is not None and int(flag(args, "pp_size") or 1) > 1:
+        return "with pipeline parallelism a stage's scheduler may match prefixes the others never see"
+    return None
 
 
 def on_new_request(req: Any) -> None:
@@ -198,9 +241,19 @@ def limit_prefix(req: Any, n: int) -> int:
     try:
         p = picker()
         return n if p is None else p.limit_prefix(req, n)
-    except Exception as e:  # the request matches as SGLang would: its capture may have a hole, reported
+    except Exception as e:  # the request matches as SGLang would: a hole, reported, never a wrong borrow
         _fault(e)
         return n
+
+
+def on_batch(reqs: Any) -> None:
+    """ScheduleBatch.prepare_for_extend's wrapper calls this with the batch's requests."""
+    try:
+        p = picker()
+        if p is not None:
+            p.on_batch(reqs)
+    except Exception as e:
+        _fault(e)
 
 
 def after_match(req: Any) -> None:

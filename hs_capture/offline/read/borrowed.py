@@ -13,14 +13,15 @@ import numpy as np
 
 from hs_capture.dump import hst
 from hs_capture.dump.paths import FINAL
-from hs_capture.dump.token_hash import prefix_hash
+from hs_capture.dump.token_hash import prefix_hashes
 from hs_capture.offline.read.planning import Borrow, Piece, Plan
 
 
 def mismatch(borrows: Sequence[Borrow], tokens: Sequence[int]) -> Optional[str]:
     """Why the joined prefixes of a sample with these token ids are wrong, or None."""
-    for b in borrows:
-        if len(tokens) < b.length or prefix_hash(tokens[:b.length]) != b.src_hash:
+    got = prefix_hashes(tokens, [b.length for b in borrows])
+    for b in sorted(borrows, key=lambda b: b.length):
+        if got[b.length] != b.src_hash:
             return (f"positions 0-{b.length} joined from request {b.src!r} hold other token ids than the server "
                     "matched there (their digest differs): not the same prefix")
     return None

@@ -111,7 +111,9 @@ class Captured:
         self.itemsize = 0
         self.borrows: Dict[str, List[Borrow]] = {}  # rid -> what its judged chain joins from other captures
         self._judging: set = set()
-        self._sources: Dict[str, Tuple[Optional[List[Piece]], Optional[str]]] = {}  # src -> its whole chain, or why not
+        # (src, prefix) -> its pieces to that prefix (or None), why not, the joins within them
+        self._sources: Dict[Tuple[str, int], Tuple[Optional[List[Piece]], Optional[str], List[Borrow]]] = {}
+        self._filled = False
         for i, run in enumerate(runs):
             for tag in run.ranks:
                 for line in run.index(tag, strict):
@@ -165,6 +167,7 @@ class Captured:
                 chunk = max(1, len(work) // (16 * jobs))  # few round trips, still an even spread
                 bad = _unsound(keys, ex.map(_first_unsound, work, chunksize=chunk), progress)
         self._sources.clear()
+        self._filled = False
         for key, (part, why) in bad.items():
             self.damage.setdefault(key, f"its {part} file {why}")
         for pieces in self.pieces.values():
@@ -178,11 +181,21 @@ class Captured:
         """(the pieces that make `rid` whole, or None; why not; pieces captured again, not used).
         length: the dataset's (None: as far as it was captured).
         A piece that borrowed its prefix (`src`) covers [0, prefix) too, with the pieces of
-        `src`'s own whole chain cut at that prefix (`borrows[rid]` then says what to check)."""
+        `src`'s capture that make it whole to that prefix (`borrows[rid]` then says what to
+        check of the tokens joined)."""
+        self._fill_sources()
+        chain, why, extras, borrows = self._judge(rid, length)
+        if borrows:
+            self.borrows[rid] = borrows
+        else:
+            self.borrows.pop(rid, None)
+        return chain, why, extras
+
+    def _judge(self, rid: str, length: Optional[int]
+               ) -> Tuple[Optional[List[Piece]], Optional[str], List[Piece], List[Borrow]]:
         if length is None and rid in self.dropped:  # its end may be what was dropped
             return None, (f"step {self.dropped[rid]} that held part of it was dropped (writer full): without "
-                          "the dataset's length its end is unknown"), []
-        self.borrows.pop(rid, None)
+                          "the dataset's length its end is unknown"), [], []
         pieces = list(self.pieces.get(rid, {}).values())
         usable = [p for p in pieces if not set(self.parts) - {part for part, _ in p.files}]
         spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable]
@@ -200,49 +213,61 @@ class Captured:
             for s in j.chain:
                 if isinstance(s.ref, _Joined):
                     chain += s.ref.pieces
-                    borrows.append(s.ref.borrow)
+                    borrows += s.ref.borrows
                 else:
                     chain.append(s.ref)
-            if borrows:
-                self.borrows[rid] = borrows
-            return chain, None, [s.ref for s in j.extras if isinstance(s.ref, Piece)]
+            return chain, None, [s.ref for s in j.extras if isinstance(s.ref, Piece)], borrows
         if borrowed_why is not None:
-            return None, borrowed_why, []
+            return None, borrowed_why, [], []
         broken = [p for p in pieces if p not in usable]
         if broken:  # the true cause of the hole: a step that lacks a part
             b = broken[0]
             damage = self.damage.get((b.run, b.rank, b.step))
             if damage:
-                return None, f"step {b.step} of {b.rank}: {damage}", []
+                return None, f"step {b.step} of {b.rank}: {damage}", [], []
             lacking = sorted(set(self.parts) - {x for x, _ in b.files})
-            return None, f"step {b.step} of {b.rank} lacks {', '.join(lacking)}", []
-        return None, j.reason, []
+            return None, f"step {b.step} of {b.rank} lacks {', '.join(lacking)}", [], []
+        return None, j.reason, [], []
 
+    def _fill_sources(self) -> None:
+        """Judge every borrowed prefix once, in the order the borrowing pieces were captured: a
+        source is judged before what borrows from it, so a conversation of many turns, each
+        borrowing from the one before, never recurses deeper than one turn."""
+        if self._filled:
+            return
+        self._filled = True
+        borrowing = [p for pieces in self.pieces.values() for p in pieces.values() if p.src is not None and p.prefix > 0]
+        for p in sorted(borrowing, key=lambda p: (p.run, p.step, p.rank)):
+            self._borrowed(p)
 
     def _borrowed(self, p: Piece) -> Tuple[Optional["_Joined"], Optional[str]]:
-        """The pieces of `p.src`'s whole chain cut at `p.prefix`, or None and why not."""
-        if p.src in self._judging:
-            return None, f"its prefix is borrowed in a circle through request {p.src!r}"
-        if p.src not in self._sources:  # judged once: a long conversation's turns each borrow from the one before
+        """The pieces of `p.src`'s capture that make it whole to `p.prefix`, or None and why not."""
+        key = (p.src, p.prefix)
+        if key not in self._sources:
+            if p.src in self._judging:
+                return None, f"its prefix is borrowed in a circle through request {p.src!r}"
             self._judging.add(p.src)
             try:
-                self._sources[p.src] = self.judge(p.src)[:2]
+                chain, why, _, inner = self._judge(p.src, p.prefix)
             finally:
                 self._judging.discard(p.src)
-        chain, why = self._sources[p.src]
-        end = chain[-1].prefix + chain[-1].length if chain else 0
-        if chain is None or end < p.prefix:
+            self._sources[key] = (chain, why, inner)
+        chain, why, inner = self._sources[key]
+        if chain is None:
             return None, (f"positions 0-{p.prefix} are borrowed from request {p.src!r}, whose capture is not whole "
-                          f"there ({why or f'it ends at {end}'})")
+                          f"there ({why})")
+        # the source's own joins within the prefix are this sample's too: each is checked again
+        nested = [b for b in inner if b.length <= p.prefix]
         cut = [replace(c, length=min(c.length, p.prefix - c.prefix)) for c in chain if c.prefix < p.prefix]
-        return _Joined(cut, Borrow(p.prefix, p.src, p.src_hash or "")), None
+        return _Joined(cut, [Borrow(p.prefix, p.src, p.src_hash or ""), *nested]), None
 
 
 @dataclass(eq=False)
 class _Joined:
-    """A borrowed prefix as one span of whole_chain: the pieces it stands for."""
+    """A borrowed prefix as one span of whole_chain: the pieces it stands for, and what to
+    check of their tokens."""
     pieces: List[Piece]
-    borrow: Borrow
+    borrows: List[Borrow]
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,
