@@ -175,3 +175,33 @@ def test_the_live_reader_names_what_it_does_not_join(served):
     joined = {rid: why for rid, why in f.pending.items() if "live reader does not do" in why}
     assert joined and not set(joined) & whole, (sorted(f.pending.items())[:5], len(whole))
     assert whole and all(rid.endswith("-t0/m") for rid in whole)  # only what no capture lent a prefix to
+
+
+def test_a_conversation_of_1500_turns_each_borrowing_from_the_last_is_planned(tmp_path):
+    """Index lines only (the planner reads no tensor): turn t borrows all of turn t-1's prompt;
+    the planner joins each from the one before without recursing turn by turn, whatever order
+    the dataset lists them in."""
+    run = tmp_path / "dump" / "run-20260101T000000Z-h-1"
+    for d in ("ranks", "index", "data"):
+        (run / d).mkdir(parents=True)
+    (run / "ranks" / "dp0-tp0-pp0.json").write_text(json.dumps(
+        {"layers": [], "hidden_size": 8, "run_id": run.name, "status": "closed", "schema": 1}))
+    turns, first, more = 1500, 100, 10  # beyond Python's recursion limit (1000)
+    lines = []
+    for t in range(turns):
+        f = run / "data" / f"s{t}.hst"
+        f.write_bytes(b"x" * 16)
+        seq = {"rid": f"t{t}", "len": first if t == 0 else more, "prefix": 0 if t == 0 else first + more * (t - 1),
+               "offset": 0}
+        if t:
+            seq.update(src=f"t{t - 1}", src_hash="0" * 32)
+        lines.append({"step": t, "mode": "EXTEND", "num_tokens": seq["len"], "rows": seq["len"], "dtype": "bfloat16",
+                      "seqs": [seq], "files": {"final": {"path": f"data/s{t}.hst", "bytes": 16}}})
+    (run / "index" / "dp0-tp0-pp0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    lengths = {f"t{t}": first + more * t for t in reversed(range(turns))}  # the last turn judged first
+    p = plan([str(tmp_path / "dump")], lengths)
+    assert not p.incomplete
+    last = p.samples[f"t{turns - 1}"]
+    assert len(last) == turns and sum(pc.length for pc in last) == lengths[f"t{turns - 1}"]
+    assert [pc.step for pc in last] == list(range(turns))
+    assert len(p.borrows[f"t{turns - 1}"]) == turns - 1  # every join on the way is checked

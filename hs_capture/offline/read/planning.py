@@ -258,7 +258,8 @@ class Captured:
                           f"there ({why})")
         # the source's own joins within the prefix are this sample's too: each is checked again
         nested = [b for b in inner if b.length <= p.prefix]
-        cut = [replace(c, length=min(c.length, p.prefix - c.prefix)) for c in chain if c.prefix < p.prefix]
+        cut = [c if c.prefix + c.length <= p.prefix else replace(c, length=p.prefix - c.prefix)
+               for c in chain if c.prefix < p.prefix]
         return _Joined(cut, [Borrow(p.prefix, p.src, p.src_hash or ""), *nested]), None
 
 
