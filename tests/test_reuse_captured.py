@@ -120,21 +120,31 @@ def test_unmarked_traffic_captures_the_hash_choice_and_the_turns_that_follow_it(
     assert sum(cached[rid] for rid in rest) > 0.5 * sum(len(ids[rid]) for rid in rest)
 
 
-def test_a_joined_prefix_with_other_token_ids_is_refused(served, tmp_path):
+def edited_copy(served, tmp_path, edit):
+    """A copy of the served dump whose index lines `edit(lines)` changed in place; (its dir,
+    what edit returned)."""
     dump = str(tmp_path / "dump")
     shutil.copytree(served["dump"], dump)
     (run,) = open_runs(dump)
     index = os.path.join(run.path, "index", "dp0-tp0-pp0.jsonl")
     lines = [json.loads(x) for x in open(index)]
-    victim = None
-    for line in lines:
-        for s in line.get("seqs", []):
-            if victim is None and s.get("src") and s["rid"].endswith("/m"):
-                s["src_hash"] = "0" * 32
-                victim = s["rid"]
-    assert victim is not None
+    got = edit(lines)
     with open(index, "w") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
+    return dump, got
+
+
+def first_joined(lines) -> dict:
+    return next(s for line in lines for s in line.get("seqs", []) if s.get("src") and s["rid"].endswith("/m"))
+
+
+def test_a_joined_prefix_with_other_token_ids_is_refused(served, tmp_path):
+    def tamper(lines):
+        seq = first_joined(lines)
+        seq["src_hash"] = "0" * 32
+        return seq["rid"]
+
+    dump, victim = edited_copy(served, tmp_path, tamper)
     ids = served["marked_ids"]
     p = plan([dump], {rid: len(t) for rid, t in ids.items()})
     with pytest.raises(TokensDiffer, match="joined from request"):
@@ -145,16 +155,13 @@ def test_a_joined_prefix_with_other_token_ids_is_refused(served, tmp_path):
 
 
 def test_a_sample_whose_prefix_source_is_not_whole_is_incomplete_and_says_why(served, tmp_path):
-    dump = str(tmp_path / "dump")
-    shutil.copytree(served["dump"], dump)
-    (run,) = open_runs(dump)
-    index = os.path.join(run.path, "index", "dp0-tp0-pp0.jsonl")
-    lines = [json.loads(x) for x in open(index)]
-    src = next(s["src"] for line in lines for s in line.get("seqs", []) if s.get("src") and s["rid"].endswith("/m"))
-    for line in lines:  # the source's capture is lost
-        line["seqs"] = [s for s in line.get("seqs", []) if s["rid"] != src]
-    with open(index, "w") as f:
-        f.writelines(json.dumps(x) + "\n" for x in lines)
+    def lose_source(lines):
+        src = first_joined(lines)["src"]
+        for line in lines:
+            line["seqs"] = [s for s in line.get("seqs", []) if s["rid"] != src]
+        return src
+
+    dump, src = edited_copy(served, tmp_path, lose_source)
     ids = served["marked_ids"]
     p = plan([dump], {rid: len(t) for rid, t in ids.items()})
     hit = {rid: why for rid, why in p.incomplete.items() if rid != src}

@@ -225,45 +225,37 @@ def reuse_refused() -> Optional[str]:
     return None
 
 
-def on_new_request(req: Any) -> None:
-    """Req.__init__'s wrapper calls this after the request is built. Never raises: a request
-    the policy cannot judge is served, not captured."""
+def _guarded(method: str, default: Any, *args: Any) -> Any:
+    """This process's picker's `method`, or `default` where capture is off here or it fails:
+    these run inside SGLang's scheduler, which must never see our exception. A request the
+    policy cannot judge is served, not captured; one whose cap fails matches as SGLang would
+    (a hole, reported, never a wrong borrow)."""
     try:
         p = picker()
-        if p is not None:
-            p.on_new_request(req)
+        return default if p is None else getattr(p, method)(*args)
     except Exception as e:
         _fault(e)
+        return default
+
+
+def on_new_request(req: Any) -> None:
+    """Req.__init__'s wrapper calls this after the request is built."""
+    _guarded("on_new_request", None, req)
 
 
 def limit_prefix(req: Any, n: int) -> int:
     """Req._compute_max_prefix_len's wrapper calls this with SGLang's answer."""
-    try:
-        p = picker()
-        return n if p is None else p.limit_prefix(req, n)
-    except Exception as e:  # the request matches as SGLang would: a hole, reported, never a wrong borrow
-        _fault(e)
-        return n
-
-
-def on_batch(reqs: Any) -> None:
-    """ScheduleBatch.prepare_for_extend's wrapper calls this with the batch's requests."""
-    try:
-        p = picker()
-        if p is not None:
-            p.on_batch(reqs)
-    except Exception as e:
-        _fault(e)
+    return _guarded("limit_prefix", n, req, n)
 
 
 def after_match(req: Any) -> None:
     """Req.init_next_round_input's wrapper calls this once SGLang matched the prefix."""
-    try:
-        p = picker()
-        if p is not None:
-            p.after_match(req)
-    except Exception as e:
-        _fault(e)
+    _guarded("after_match", None, req)
+
+
+def on_batch(reqs: Any) -> None:
+    """ScheduleBatch.prepare_for_extend's wrapper calls this with the batch's requests."""
+    _guarded("on_batch", None, reqs)
 
 
 _faults = 0
@@ -273,5 +265,5 @@ def _fault(e: BaseException) -> None:
     global _faults
     _faults += 1
     if _faults == 1 or _faults % 1000 == 0:
-        log.error("judging a request for capture failed (%d so far; that request is not captured): %s: %s",
-                  _faults, type(e).__name__, e)
+        log.error("capture's request bookkeeping failed (%d so far; serving goes on, that request may not be "
+                  "captured or not whole): %s: %s", _faults, type(e).__name__, e)
