@@ -94,6 +94,15 @@ def test_captured_prefixes_hold_whole_blocks_of_captured_prompts_for_other_reque
     idx.add(idx.prompt(list(range(50, 70))), "z", upto=10)
     assert idx.limit(idx.prompt(list(range(50, 70))), "y") == (8, "z")
     assert idx.continuing(list(range(50, 72))) is None
+    lender = CapturedPrefixes(block=4)
+    lender.lends = 2
+    lender.add(lender.prompt(system + a), "a")
+    lender.lend("a")
+    assert lender.limit(lender.prompt(system + b), "b") == (8, "a")
+    lender.lend("a")  # lent as often as it may: the next request with the prefix prefills it again
+    assert lender.limit(lender.prompt(system + b), "b") == (0, None)
+    lender.add(lender.prompt(system + b), "b")
+    assert lender.limit(lender.prompt(system + a), "c") == (8, "b")  # held again, by b
     small = CapturedPrefixes(block=4, max_blocks=3)
     small.add(small.prompt(list(range(40))), "x")
     assert small.limit(small.prompt(list(range(12))), "y") == (0, None)  # the oldest blocks went first
@@ -118,12 +127,15 @@ def test_the_picker_caps_a_captured_request_at_the_prefix_captured_requests_hold
     picker.on_new_request(turn1)
     assert picker.captured("t1") and not picker.captured("other")
     assert picker.limit_prefix(turn1, 72) == 64  # t0's whole blocks (32 tokens each)
-    turn1.prefix_len = 60  # SGLang matched less than the cap
+    turn1.prefix_len = 0  # the match found it all in host memory (HiCache) ...
     picker.after_match(turn1)
-    assert picker.borrow_of("t1", 60) == ("t0", prefix_hash(range(100, 160)))
-    # a prefix that grew after the match (HiCache's host hits), within the cap
+    turn1.prefix_len, turn1.extend_end = 62, 73  # ... and loaded 62 tokens back before the batch
+    picker.on_batch([turn1])
     assert picker.borrow_of("t1", 62) == ("t0", prefix_hash(range(100, 162)))
-    assert picker.borrow_of("t1", 65) is None and picker.borrow_of("t0", 0) is None
+    assert picker.borrow_of("t1", 60) is None and picker.borrow_of("t0", 0) is None
+    turn1.prefix_len = 64
+    picker.on_batch([turn1])  # its next chunk
+    assert picker.borrow_of("t1", 64) is None  # only the prefill's first piece borrows
     stranger = Req("s", None, range(100, 140))
     picker.on_new_request(stranger)
     assert not picker.captured("s")  # shares t0's start but does not continue it

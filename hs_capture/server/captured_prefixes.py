@@ -25,6 +25,11 @@ from hs_capture.dump.token_hash import block_chain, digest, token_bytes
 BLOCK = 32  # tokens a block: a continued conversation prefills at most BLOCK-1 tokens again
 MAX_BLOCKS = 1 << 18  # ~8 M tokens of captured prompts remembered
 MAX_ENDS = 1 << 16
+# an owner lends its blocks this many times, then lets them go: the next captured request
+# with that prefix prefills it again and holds it. A capture that was lost (a step dropped or
+# failed) is then lent out a bounded number of times, not for as long as its prefix is in use.
+LENDS = 64
+MAX_OWNERS = 1 << 16
 
 
 @dataclass
@@ -55,6 +60,9 @@ class CapturedPrefixes:
         # a captured prompt's end: its last whole block's digest (the seed for none) -> tail
         # length -> digests of the whole prompt (the block chain carried over the tail)
         self._ends: "OrderedDict[bytes, Dict[int, Set[bytes]]]" = OrderedDict()
+        self.lends = LENDS
+        # owner -> [its blocks, times lent] (the most recent owners)
+        self._owned: "OrderedDict[str, list]" = OrderedDict()
 
     def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
         data, seed = token_bytes(tokens), namespace_seed(namespace)
@@ -82,6 +90,10 @@ class CapturedPrefixes:
                 self._owner.move_to_end(h)
             else:
                 self._owner[h] = rid
+                self._owned.setdefault(rid, [[], 0])[0].append(h)
+                self._owned.move_to_end(rid)
+        while len(self._owned) > MAX_OWNERS:
+            self._owned.popitem(last=False)
         while len(self._owner) > self.max_blocks:
             self._owner.popitem(last=False)
         if n < p.tokens:
@@ -94,6 +106,18 @@ class CapturedPrefixes:
         tails.setdefault(len(tail) // 8, set()).add(digest(tail, key))
         while len(self._ends) > self.max_ends:
             self._ends.popitem(last=False)
+
+    def lend(self, owner: str) -> None:
+        """A captured request was put in a batch with a prefix borrowed from `owner`'s blocks."""
+        entry = self._owned.get(owner)
+        if entry is None:
+            return
+        entry[1] += 1
+        if entry[1] >= self.lends:
+            del self._owned[owner]
+            for h in entry[0]:
+                if self._owner.get(h) == owner:
+                    del self._owner[h]
 
     def continuing(self, tokens: Sequence[int], namespace: Any = None) -> Optional[Prompt]:
         """The prompt of a request that continues a captured one (else None), its digests

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 from hs_capture.dump.capture_policy import MARK, CapturePolicy
@@ -60,8 +61,10 @@ class RequestPicker:
                 with self._lock:
                     n = next(self._count)
                 req.extra_key = f"{key or ''}{_SUFFIX}{n}"
-            elif key == MARK:  # the bare mark is ours: the request shares the cache as an unmarked one would
-                req.extra_key = None
+            elif key is not None and key == MARK + (getattr(req, "lora_id", None) or ""):
+                # the bare mark is ours (SGLang appends a LoRA adapter's id to extra_key): the request
+                # shares the cache as an unmarked one would
+                req.extra_key = getattr(req, "lora_id", None)
         prompt = None
         # SGLang never matches a prompt with embedding overrides: it is prefilled whole and held by no one
         if self.reuse is not None and getattr(req, "positional_embed_overrides", None) is None:
@@ -101,28 +104,35 @@ class RequestPicker:
         prompt = getattr(req, "_hscap_prompt", None)
         if prompt is None or self.reuse is None:
             return
-        m = matched_prefix(req)
         held, owner = getattr(req, "_hscap_cap", None) or (0, None)
-        req._hscap_borrow = (m, held, owner, prefix_hash(_ids(req, m))) if 0 < m <= held and owner else None
+        req._hscap_borrow = _Borrow(held, owner) if held > 0 and owner else None
 
     def on_batch(self, reqs: Any) -> None:
-        """A prefill batch was formed: its captured requests hold what this chunk computes."""
+        """A prefill batch was formed: its captured requests hold what this chunk computes, and
+        one put in a batch first since its match starts where it starts (HiCache may have
+        loaded host hits onto what the match found; never past the cap)."""
         if self.reuse is None:
             return
         for req in reqs:
             prompt = getattr(req, "_hscap_prompt", None)
-            if prompt is not None and getattr(req, "rid", None) is not None:
-                self.reuse.add(prompt, str(req.rid), extend_end(req))
+            if prompt is None or getattr(req, "rid", None) is None:
+                continue
+            b = getattr(req, "_hscap_borrow", None)
+            if b is not None and b.start is None:
+                b.start = matched_prefix(req)
+                if 0 < b.start <= b.held:
+                    self.reuse.lend(b.owner)
+            self.reuse.add(prompt, str(req.rid), extend_end(req))
 
     def borrow_of(self, rid: Optional[str], prefix: int) -> Optional[Tuple[str, str]]:
         """(the request whose capture holds positions [0, prefix) of `rid`, the digest of
-        those tokens) when `rid` starts there with a borrowed prefix; else None. The prefix
-        may have grown after the match (HiCache loads host hits) but never past the cap."""
+        those tokens) for the first piece of `rid`'s prefill when it starts from a borrowed
+        prefix; else None."""
         req = self._picked.get(rid) if rid is not None else None
         b = getattr(req, "_hscap_borrow", None)
-        if b is None or not 0 < prefix <= b[1]:
+        if b is None or b.start != prefix or not 0 < prefix <= b.held:
             return None
-        return b[2], (b[3] if prefix == b[0] else prefix_hash(_ids(req, prefix)))
+        return b.owner, prefix_hash(_ids(req, prefix))
 
     def captured(self, rid: Optional[str]) -> bool:
         if self.policy.everything:
@@ -136,6 +146,15 @@ class RequestPicker:
         if rids is None:
             return [False] * count
         return [self.captured(None if r is None else str(r)) for r in rids]
+
+
+@dataclass
+class _Borrow:
+    """What a captured request's match may borrow: up to `held` tokens, from `owner`; `start`:
+    where its prefill began, once it is in a batch."""
+    held: int
+    owner: str
+    start: Optional[int] = None
 
 
 _picker: Optional[RequestPicker] = None

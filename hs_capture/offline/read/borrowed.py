@@ -21,7 +21,7 @@ def mismatch(borrows: Sequence[Borrow], tokens: Sequence[int]) -> Optional[str]:
     """Why the joined prefixes of a sample with these token ids are wrong, or None."""
     got = prefix_hashes(tokens, [b.length for b in borrows])
     for b in sorted(borrows, key=lambda b: b.length):
-        if got[b.length] != b.src_hash:
+        if not b.src_hash or got[b.length] != b.src_hash:  # tokens too short, or no digest to hold them to
             return (f"positions 0-{b.length} joined from request {b.src!r} hold other token ids than the server "
                     "matched there (their digest differs): not the same prefix")
     return None
