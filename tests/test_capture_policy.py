@@ -101,6 +101,7 @@ def test_captured_prefixes_hold_whole_blocks_of_captured_prompts_for_other_reque
     assert lender.limit(lender.prompt(system + b), "b") == (8, "a")
     lender.lend("a")  # lent as often as it may: the next request with the prefix prefills it again
     assert lender.limit(lender.prompt(system + b), "b") == (0, None)
+    assert lender.continuing(system + a + [42]) is not None  # still a captured conversation to follow
     lender.add(lender.prompt(system + b), "b")
     assert lender.limit(lender.prompt(system + a), "c") == (8, "b")  # held again, by b
     small = CapturedPrefixes(block=4, max_blocks=3)

@@ -55,8 +55,10 @@ class CapturedPrefixes:
         self.block = block
         self.max_blocks = max_blocks
         self.max_ends = max_ends
-        # block digest -> the first captured request scheduled with it (least recently added first)
-        self._owner: "OrderedDict[bytes, str]" = OrderedDict()
+        # block digest -> the first captured request scheduled with it (least recently added
+        # first); None once that request let it go (lend): not held, but still a block of a
+        # captured prompt, which `continuing` walks through
+        self._owner: "OrderedDict[bytes, Optional[str]]" = OrderedDict()
         # a captured prompt's end: its last whole block's digest (the seed for none) -> tail
         # length -> digests of the whole prompt (the block chain carried over the tail)
         self._ends: "OrderedDict[bytes, Dict[int, Set[bytes]]]" = OrderedDict()
@@ -86,12 +88,11 @@ class CapturedPrefixes:
         prompt's end once it is reached."""
         n = p.tokens if upto is None else min(upto, p.tokens)
         for h in p.chain[:n // self.block]:
-            if h in self._owner:
-                self._owner.move_to_end(h)
-            else:
+            if self._owner.get(h) is None:
                 self._owner[h] = rid
                 self._owned.setdefault(rid, [[], 0])[0].append(h)
                 self._owned.move_to_end(rid)
+            self._owner.move_to_end(h)
         while len(self._owned) > MAX_OWNERS:
             self._owned.popitem(last=False)
         while len(self._owner) > self.max_blocks:
@@ -117,7 +118,7 @@ class CapturedPrefixes:
             del self._owned[owner]
             for h in entry[0]:
                 if self._owner.get(h) == owner:
-                    del self._owner[h]
+                    self._owner[h] = None
 
     def continuing(self, tokens: Sequence[int], namespace: Any = None) -> Optional[Prompt]:
         """The prompt of a request that continues a captured one (else None), its digests
