@@ -668,16 +668,18 @@ def verify(dump: str, a, work: str, data: str, captured: Optional[List[tuple]]) 
     send`'s parts under their own ids, or each alternating round's texts under its rids.
     captured None (chat traffic, whose turns are not listed): every captured request as far as
     it was captured, without --dataset."""
-    sent = os.path.join(work, "sent.jsonl")
-    with open(sent, "w") as f:
-        for tag, part in (captured or [(None, p) for p in ("warm", "a", "b")]) if captured is not None else []:
-            for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
-                f.write(json.dumps({**row, "id": f"{tag}-{row['id']}"} if tag else row) + "\n")
+    dataset = []
+    if captured is not None:
+        sent = os.path.join(work, "sent.jsonl")
+        with open(sent, "w") as f:
+            for tag, part in captured or [(None, p) for p in ("warm", "a", "b")]:
+                for row in read_jsonl(os.path.join(data, f"{part}.jsonl")):
+                    f.write(json.dumps({**row, "id": f"{tag}-{row['id']}"} if tag else row) + "\n")
+        dataset = ["--dataset", sent]
     t0 = time.monotonic()
     # dummy weights (--shape k25) have no checkpoint to compute a reference from: whole samples only
     reference = [] if a.shape == "k25" else ["--reference", os.path.join(a.model, "text_model"),
                                               "--reference-samples", "8", "--reference-device", "cuda"]
-    dataset = ["--dataset", sent] if captured is not None else []
     doc = hscap_json("verify", dump, *dataset, "-j", "16", *reference, "--max-findings", "5")
     st = doc.get("stats", {})
     return {"ok": doc.get("ok"), "verify_s": round(time.monotonic() - t0, 1),

@@ -226,8 +226,7 @@ def picker() -> Optional[RequestPicker]:
             return None
         args = server_args()
         radix = args is not None and flag(args, "disable_radix_cache") is False
-        pp = int((flag(args, "pp_size") if args is not None else 1) or 1)
-        _picker = RequestPicker(config.capture_policy(), radix, _reuse_hooked and pp == 1)
+        _picker = RequestPicker(config.capture_policy(), radix, _reuse_hooked and not _pipelined(args))
     return _picker
 
 
@@ -236,12 +235,17 @@ def reuse_refused() -> Optional[str]:
     if not _reuse_hooked:
         return ("this SGLang has no Req._compute_max_prefix_len to cap a prefix match with (0.5.15 or later "
                 "has), or its request classes carry someone else's wrapper")
-    from hs_capture.server.sglang_compat import flag, server_args
+    from hs_capture.server.sglang_compat import server_args
 
-    args = server_args()
-    if args is not None and int(flag(args, "pp_size") or 1) > 1:
+    if _pipelined(server_args()):
         return "with pipeline parallelism a stage's scheduler may match prefixes the others never see"
     return None
+
+
+def _pipelined(args: Any) -> bool:
+    from hs_capture.server.sglang_compat import flag
+
+    return args is not None and int(flag(args, "pp_size") or 1) > 1
 
 
 def _guarded(method: str, default: Any, *args: Any) -> Any:

@@ -60,7 +60,7 @@ def take_step(fb: Any, mode: str, hidden: torch.Tensor, aux: Any, current: List[
     entries = []
     for (r, ln, p), o in zip(seqs, offsets):
         src = borrows(r, p) if borrows is not None and p > 0 else None
-        entries.append(SeqEntry(r, ln, p, o) if src is None else SeqEntry(r, ln, p, o, src[0], src[1]))
+        entries.append(SeqEntry(r, ln, p, o, *(src or (None, None))))
     line = step_line(mode, n, int(hidden.shape[0]), dtype_name(hidden.dtype), entries)
     return line, tensors, aux_layers
 

@@ -340,8 +340,7 @@ class Follower:
                        else f"step {line.step} of {st.tag} lacks {', '.join(lacking)}")
                 self._give_up(st, s.rid, why, for_good=self._todo is None)
                 continue
-            st.add(s.rid, Piece(key[0], st.tag, line.step, files, s.offset, s.len, s.prefix, line.dtype, s.src,
-                                s.src_hash))
+            st.add(s.rid, Piece.of(key[0], st.tag, line, s, files))
             touched.append(s.rid)
         ended = st.by_last.get(line.step - 1, ())  # this step does not continue them
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))

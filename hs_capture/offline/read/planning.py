@@ -24,6 +24,7 @@ from hs_capture.offline.read.attribution import warmups
 from hs_capture.offline.read.coverage import Span, whole_chain
 from hs_capture.dump.hst import ITEMSIZE
 from hs_capture.dump.paths import step_parts
+from hs_capture.dump.schema import IndexLine, SeqEntry
 from hs_capture.offline.read.reader import DumpError, Run, open_runs
 
 
@@ -43,6 +44,11 @@ class Piece:
     dtype: str = ""  # its index line's: what the server stored (quant.STORED_DTYPE: the compact tier)
     src: Optional[str] = None  # the request whose capture holds positions [0, prefix) (a borrowed prefix)
     src_hash: Optional[str] = None  # the digest of this request's tokens there
+
+    @classmethod
+    def of(cls, run: int, rank: str, line: IndexLine, seq: SeqEntry, files: Tuple[Tuple[str, str], ...]) -> "Piece":
+        """One sequence entry of a written index line as a piece."""
+        return cls(run, rank, line.step, files, seq.offset, seq.len, seq.prefix, line.dtype, seq.src, seq.src_hash)
 
 
 @dataclass(frozen=True)
@@ -128,8 +134,7 @@ class Captured:
                         rid = s.rid
                         if rid is None or rid.startswith(exclude_prefix):
                             continue
-                        piece = Piece(i, tag, line.step, files, s.offset, s.len, s.prefix, line.dtype, s.src,
-                                      s.src_hash)
+                        piece = Piece.of(i, tag, line, s, files)
                         self.pieces.setdefault(rid, {}).setdefault((os.path.basename(run.path), tag, piece.step),
                                                                    piece)
 
