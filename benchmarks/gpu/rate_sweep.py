@@ -455,7 +455,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
     dump = os.path.join(base, f"dump-{name}")
     shutil.rmtree(dump, ignore_errors=True)
     chat = load == "chat"
-    keep = ["--keep-radix-cache"] if chat and extra_env.get("RADIX") != "off" else []
+    keep = ["--keep-radix-cache"] if load in ("chat", "chat-alt") and extra_env.get("RADIX") != "off" else []
     if layers is None:
         cmd = plain_command(os.path.join(work, "unused"), flags, env, keep)
     else:

@@ -289,9 +289,15 @@ def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["reque
     if picker is None and (radix or not cfg.policy.everything):
         log.warning("WARNING: SGLang's request class is not hooked here: every request is captured and "
                     "captured requests share the radix cache")
-    policy = picker.policy.describe() if picker is not None else "every request"
+    # what runs, not what was asked: following needs the index that reuse keeps
+    policy = replace(picker.policy, follow=picker.follow).describe() if picker is not None else "every request"
     own = requests_mod.namespacing()
     reuse = picker is not None and picker.reuse is not None
+    if not radix and cfg.policy.reuse_captured and picker is not None:
+        log.warning("WARNING: HSCAP_REUSE_CAPTURED=1%s is not taken: the radix cache is off, so captured "
+                    "requests are prefilled whole%s (hscap serve --reuse-captured keeps the cache)",
+                    " and HSCAP_FOLLOW=1" if cfg.policy.follow else "",
+                    " and the requests that continue them are not captured" if cfg.policy.follow else "")
     if radix and cfg.policy.reuse_captured and not reuse and picker is not None:
         log.warning("WARNING: HSCAP_REUSE_CAPTURED=1 is not taken (SGLang %s): %s; captured requests %s",
                     sglang_version(), requests_mod.reuse_refused(), "get a cache namespace of their own instead"
