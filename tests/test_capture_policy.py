@@ -169,3 +169,33 @@ def test_two_pickers_fed_the_same_calls_cap_alike_however_often_they_are_asked()
             picker.on_batch([r])
         caps.append(out)
     assert caps[0] == caps[1] and any(c for _, c in caps[0])
+
+
+def test_continuing_reuses_recent_walks_and_judges_as_a_full_walk_does():
+    """The digests a request shares with a recent request are taken from that request's walk;
+    whatever the order of prompts, namespaces and captures, the answer is a full walk's."""
+    import random
+
+    rng = random.Random(3)
+    systems = [[rng.randrange(500) for _ in range(n)] for n in (0, 5, 64, 300)]
+    fast, slow = CapturedPrefixes(block=8), CapturedPrefixes(block=8)
+    slow._remember = lambda *a: None  # never reuses a walk: every request hashed from its start
+    convs, followed = [], 0
+    for i in range(60):
+        conv = rng.choice(systems) + [rng.randrange(500) for _ in range(rng.randrange(1, 40))]
+        ns = rng.choice([None, ("a", None)])
+        convs.append((conv, ns))
+        upto = rng.choice([None, None, len(conv) // 2])
+        for idx in (fast, slow):
+            idx.add(idx.prompt(conv, ns), f"r{i}", upto=upto)
+        for _ in range(6):
+            c, ns2 = rng.choice(convs)
+            r = c[:rng.randrange(len(c) + 1)] if rng.random() < 0.3 else c + [rng.randrange(500) for _ in range(rng.randrange(20))]
+            ns2 = ns2 if rng.random() < 0.8 else rng.choice([None, ("a", None)])
+            got, want = fast.continuing(r, ns2), slow.continuing(r, ns2)
+            assert (got is None) == (want is None)
+            if got is not None:
+                followed += 1
+                full = fast.prompt(r, ns2)
+                assert (got.data, got.chain, got.seed) == (full.data, full.chain, full.seed)
+    assert followed > 50 and fast._walks

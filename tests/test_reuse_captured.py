@@ -103,6 +103,15 @@ def test_marked_requests_reuse_captured_prefixes_and_are_joined_whole_and_right(
         assert_equal_to_transformers(as_arrays(s), want, tiny_model)
 
 
+def test_the_scheduler_time_of_request_bookkeeping_is_reported(served):
+    (run,) = open_runs(served["dump"])
+    cost = run.ranks["dp0-tp0-pp0"].stats["scheduler_cost"]
+    assert cost["requests"] >= len(served["ids"]) + len(served["marked_ids"])
+    assert min(cost["pick_s"], cost["cap_s"], cost["match_s"], cost["batch_s"]) > 0
+    line = next(x for x in served["log"].splitlines() if "[HS_DUMP]" in x and "closed:" in x)
+    assert f"capture's request bookkeeping over {cost['requests']} requests (picking new requests {cost['pick_s']:.3f} s" in line
+
+
 def test_unmarked_traffic_captures_the_hash_choice_and_the_turns_that_follow_it(served):
     ids = served["ids"]
     want = captured_by_rule(served["convs"], lambda rid: rid_fraction(rid) < QUARTER)

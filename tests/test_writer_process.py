@@ -185,6 +185,30 @@ def test_a_slow_forward_side_path_is_reported_by_its_cause(tmp_path, caplog):
     assert f"staging copies {cost['staging_s']:.3f} s" in line and "forwards held" in line
 
 
+def test_slow_request_bookkeeping_in_the_scheduler_is_reported(tmp_path, caplog, monkeypatch):
+    """Capture's work in the scheduler's thread (picking, judging, capping matches) holds no
+    forward but slows a scheduler-bound server: planted slow, it is in the closing line and the
+    run metadata."""
+    from hs_capture.server import requests as requests_mod
+    from hs_capture.server.forward_cost import SCHEDULER
+
+    class SlowPicker:
+        def on_new_request(self, req):
+            time.sleep(0.02)
+
+    monkeypatch.setattr(requests_mod, "picker", lambda: SlowPicker())
+    before = SCHEDULER.report()
+    for _ in range(5):
+        requests_mod.on_new_request(object())
+    from hs_capture.server.staging import CpuCopy
+
+    cost = closed_after_five_steps(tmp_path, CpuCopy())["stats"]["scheduler_cost"]
+    assert cost["requests"] - before["requests"] == 5 and cost["pick_s"] - before["pick_s"] >= 5 * 0.02
+    assert cost["held_s"] >= cost["pick_s"]
+    line = next(r.getMessage() for r in caplog.records if "closed:" in r.getMessage())
+    assert f"picking new requests {cost['pick_s']:.3f} s" in line and f"over {cost['requests']} requests" in line
+
+
 def test_a_writer_process_that_cannot_start_leaves_the_writing_to_threads(tmp_path, monkeypatch, caplog):
     from hs_capture.server import writer_process
     from hs_capture.server.config import ConfigError

@@ -505,7 +505,7 @@ def run_server(name: str, a, work: str, data: str) -> dict:
         m = metas[0]
         res["writer"] = {k: m["stats"].get(k) for k in ("writer", "writer_threads", "steps_written", "steps_written_raw",
                                                          "steps_dropped", "steps_failed", "raw_bytes", "file_bytes",
-                                                         "forward_cost", "server_threads", "cuda_allocator",
+                                                         "forward_cost", "server_threads", "scheduler_cost", "cuda_allocator",
                                                          "forward_waited_s",
                                                          "held_by_budget_s", "held_by_pinned_s", "pinned_bytes",
                                                          "inflight_budget_bytes", "peak_inflight_bytes")}

@@ -32,7 +32,7 @@ from hs_capture.server.sglang_compat import parallel_info, prefill_off_flags_her
 from hs_capture.server.targets import LAYER_FLAGS, LIST, Target, checkpoint_architectures
 from hs_capture.dump import quant
 from hs_capture.dump.schema import SCHEMA_COMPACT, SCHEMA_LOSSLESS, RankMeta
-from hs_capture.server.forward_cost import AllocatorCounters, ForwardCost, ServerThreads
+from hs_capture.server.forward_cost import AllocatorCounters, ForwardCost, SchedulerCost, ServerThreads
 from hs_capture.server import requests as requests_mod
 from hs_capture.server.step import compact, take_step
 from hs_capture.server.writer import ShardWriter
@@ -388,10 +388,10 @@ def close_all(timeout: float = 600.0) -> None:
         done = w.close(timeout)
         s, f = w.stats, w.forward_stats()
         log.info("rank %s: closed%s: %d steps, %d tokens, %.1f MB raw -> %.1f MB on disk, %d dropped, %d failed; "
-                 "%s; %s%s", w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
+                 "%s; %s; %s%s", w.rank.tag, "" if done else " (TIMED OUT, some steps unwritten)", s["steps_written"],
                  s["tokens_written"], s["raw_bytes"] / 1e6, s["file_bytes"] / 1e6, s["steps_dropped"],
                  s["steps_failed"], ForwardCost.describe(f["forward_cost"]), ServerThreads.describe(f["server_threads"]),
-                 AllocatorCounters.describe(f["cuda_allocator"]))
+                 SchedulerCost.describe(f["scheduler_cost"]), AllocatorCounters.describe(f["cuda_allocator"]))
 
 
 def _install_shutdown(flush_timeout_s: float) -> None:

@@ -30,6 +30,7 @@ MAX_ENDS = 1 << 16
 # failed) is then lent out a bounded number of times, not for as long as its prefix is in use.
 LENDS = 64
 MAX_OWNERS = 1 << 16
+WALKS = 64  # first blocks (system prompts, per namespace) whose latest walk a request may start from
 
 
 @dataclass
@@ -65,6 +66,9 @@ class CapturedPrefixes:
         self.lends = LENDS
         # owner -> [its blocks, times lent] (the most recent owners)
         self._owned: "OrderedDict[str, list]" = OrderedDict()
+        # the latest walk of `continuing` that began with a given block in a given namespace:
+        # (namespace seed, the first block's token bytes) -> (its token bytes, their block digests)
+        self._walks: "OrderedDict[Tuple[bytes, bytes], Tuple[bytes, List[bytes]]]" = OrderedDict()
 
     def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
         data, seed = token_bytes(tokens), namespace_seed(namespace)
@@ -122,24 +126,65 @@ class CapturedPrefixes:
 
     def continuing(self, tokens: Sequence[int], namespace: Any = None) -> Optional[Prompt]:
         """The prompt of a request that continues a captured one (else None), its digests
-        taken only as far as the index holds blocks when it does not: most requests of a
-        production server are not captured, and this runs for every one of them."""
-        b, seed = self.block, namespace_seed(namespace)
-        h = seed
-        chain: List[bytes] = []
-        k = 0
-        for k in range(len(tokens) // b):  # block by block: the ids of a long prompt are never all converted
-            h = digest(token_bytes(tokens[k * b:(k + 1) * b]), h)
-            chain.append(h)
-            if h not in self._owner:  # a captured prompt it continues would hold every block before its end
-                break
+        taken only as far as the index holds blocks when it does not. Most requests of a
+        production server are not captured, and this runs for every one of them in the
+        scheduler's thread (benchmarks/capture_policy.py times it): the digests of a prefix
+        that a recent request shared (a system prompt) are taken from that request's walk,
+        and the ids are converted only as far as they are looked at."""
+        b, step, seed = self.block, self.block * 8, namespace_seed(namespace)
+        ids = _TokenBytes(tokens)
+        n, whole = len(tokens), len(tokens) // b
+        chain = self._walked(ids, seed)
+        known, k = len(chain), 0
+        while k < len(chain) and chain[k] in self._owner:
+            k += 1
+        if k < len(chain):
+            del chain[k + 1:]
         else:
-            k = len(tokens) // b
-        # the tail past the last block it holds: a captured prompt may end inside it
-        upto = min(len(tokens), (k + 1) * b)
-        if not self.extends(Prompt(token_bytes(tokens[:upto]), chain, seed), len(tokens)):
+            h = chain[-1] if chain else seed
+            while k < whole:
+                h = digest(ids.upto((k + 1) * b)[k * step:(k + 1) * step], h)
+                chain.append(h)
+                if h not in self._owner:  # a captured prompt it continues would hold every block before its end
+                    break
+                k += 1
+            if k > known:  # k blocks held: the next request with this prefix starts from them
+                self._remember(seed, ids.upto(k * b)[:k * step], chain[:k])
+        # up to the first block no captured prompt holds (the whole prompt where there is none):
+        # a captured prompt it continues ends inside that block at the latest
+        upto = len(chain) * b if chain and chain[-1] not in self._owner else n
+        if not self.extends(Prompt(ids.upto(upto)[:upto * 8], chain, seed), n):
             return None
-        return self.prompt(tokens, namespace)
+        data = ids.upto(n)
+        return Prompt(data, chain + block_chain(data[len(chain) * step:], b, chain[-1] if chain else seed), seed)
+
+    def _walked(self, ids: "_TokenBytes", seed: bytes) -> List[bytes]:
+        """The digests of the longest run of whole blocks that these ids share with the recent
+        walk that began with the same block in the same namespace (a copy: the caller extends it)."""
+        b, step = self.block, self.block * 8
+        most = len(ids.tokens) // b
+        walk = self._walks.get((seed, ids.upto(b)[:step])) if most else None
+        if walk is None:
+            return []
+        wdata, wchain = walk
+        lo = hi = min(len(wchain), most)  # the first block agrees; find the most that do
+        data = ids.upto(hi * b)
+        if data[:hi * step] != wdata[:hi * step]:
+            lo = 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if data[:mid * step] == wdata[:mid * step]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        return wchain[:lo]
+
+    def _remember(self, seed: bytes, data: bytes, chain: List[bytes]) -> None:
+        key = (seed, data[:self.block * 8])
+        self._walks[key] = (data, chain)
+        self._walks.move_to_end(key)
+        while len(self._walks) > WALKS:
+            self._walks.popitem(last=False)
 
     def extends(self, p: Prompt, length: Optional[int] = None) -> bool:
         """Whether p continues a captured prompt: begins with the whole of it and is longer
@@ -156,3 +201,18 @@ class CapturedPrefixes:
                 if start + m < n and digest(p.data[start * 8:(start + m) * 8], key) in digests:
                     return True
         return False
+
+
+class _TokenBytes:
+    """A prompt's ids as token_bytes, converted as far as asked (doubling: amortized once)."""
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = tokens
+        self.data = b""
+
+    def upto(self, n: int) -> bytes:
+        """The bytes of at least the first n ids (all of them, where there are fewer)."""
+        have = len(self.data) // 8
+        if have < n and have < len(self.tokens):
+            self.data += token_bytes(self.tokens[have:min(len(self.tokens), max(n, 2 * have))])
+        return self.data

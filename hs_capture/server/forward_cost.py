@@ -3,7 +3,8 @@ holds a forward, by cause (building the step's index line, quantizing the states
 tier: enqueuing it on the device), staging the device-to-host copies, waiting for the in-flight
 budget or a free host buffer, handing the step to the writer), and the CPU time of capture's own
 threads in that process, which hold no forward but compete with the scheduler's thread for cores
-and for the interpreter lock (ServerThreads)."""
+and for the interpreter lock (ServerThreads), and the scheduler's own time in capture's request
+bookkeeping (SchedulerCost)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,44 @@ class ForwardCost:
     def describe(report: Dict[str, float]) -> str:
         parts = ", ".join(f"{LABELS[c]} {report[c + '_s']:.3f} s" for c in CAUSES)
         return f"forwards held {report['held_s']:.3f} s by capture over {report['steps']} steps ({parts})"
+
+
+# the scheduler thread's calls into capture's request bookkeeping (requests.py)
+CALLS = ("pick", "cap", "match", "batch")
+CALL_LABELS = {"pick": "picking new requests", "cap": "capping prefix matches", "match": "noting matches",
+               "batch": "noting prefill batches"}
+
+
+class SchedulerCost:
+    """The time SGLang's scheduler thread spends in capture's request bookkeeping: picking each
+    new request (with --follow, judging whether it continues a captured one), capping a
+    captured request's prefix match, noting its match and its batch. No forward waits for it,
+    but where the scheduler's thread is the server's bottleneck (many short requests, most of
+    their prompts from the cache) every request pays it, captured or not. Only the scheduler's
+    thread calls it."""
+
+    def __init__(self) -> None:
+        self.seconds: Dict[str, float] = dict.fromkeys(CALLS, 0.0)
+        self.requests = 0
+
+    def add(self, call: str, seconds: float) -> None:
+        self.seconds[call] += seconds
+        self.requests += call == "pick"
+
+    def report(self) -> Dict[str, float]:
+        out = {f"{c}_s": round(v, 4) for c, v in self.seconds.items()}
+        out["held_s"] = round(sum(self.seconds.values()), 4)
+        out["requests"] = self.requests
+        return out
+
+    @staticmethod
+    def describe(report: Dict[str, float]) -> str:
+        parts = ", ".join(f"{CALL_LABELS[c]} {report[c + '_s']:.3f} s" for c in CALLS)
+        return (f"the scheduler's thread spent {report['held_s']:.3f} s in capture's request bookkeeping over "
+                f"{report['requests']} requests ({parts})")
+
+
+SCHEDULER = SchedulerCost()  # this process's
 
 
 # capture's threads in the server's process, by role

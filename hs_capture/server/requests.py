@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -29,6 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hs_capture.dump.capture_policy import MARK, CapturePolicy
 from hs_capture.dump.token_hash import prefix_hash
 from hs_capture.server.captured_prefixes import CapturedPrefixes
+from hs_capture.server.forward_cost import SCHEDULER
 from hs_capture.server.log import get_logger
 
 log = get_logger()
@@ -253,12 +255,18 @@ def _guarded(method: str, default: Any, *args: Any) -> Any:
     these run inside SGLang's scheduler, which must never see our exception. A request the
     policy cannot judge is served, not captured; one whose cap fails matches as SGLang would
     (a hole, reported, never a wrong borrow)."""
+    t0 = time.perf_counter()
     try:
         p = picker()
         return default if p is None else getattr(p, method)(*args)
     except Exception as e:
         _fault(e)
         return default
+    finally:
+        SCHEDULER.add(_CALLS[method], time.perf_counter() - t0)
+
+
+_CALLS = {"on_new_request": "pick", "limit_prefix": "cap", "after_match": "match", "on_batch": "batch"}
 
 
 def on_new_request(req: Any) -> None:

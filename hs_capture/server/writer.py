@@ -22,7 +22,7 @@ from hs_capture.server.backlog import Backlog
 from hs_capture.server.config import CaptureConfig, inflight_budget, writer_threads
 from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
-from hs_capture.server.forward_cost import AllocatorCounters, ForwardCost, ServerThreads
+from hs_capture.server.forward_cost import SCHEDULER, AllocatorCounters, ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
 from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
@@ -229,6 +229,7 @@ class ShardWriter:
                 "writer_threads": self.cfg.writer_threads, "writer": self.cfg.writer, "handoff": self.cfg.handoff,
                 "forward_cost": self.cost.report(),
                 "server_threads": self._sink.threads.report(),
+                "scheduler_cost": SCHEDULER.report(),
                 "cuda_allocator": self._allocator.report(),
                 "disk_bound": self.run_meta.disk_bound}
 

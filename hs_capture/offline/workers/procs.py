@@ -97,12 +97,37 @@ def _umask() -> int:
 
 
 @contextmanager
+def _interrupt_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C until the block is done, then raise it. multiprocessing's bookkeeping
+    (its Finalize objects, made as the pool starts a worker) is not safe against an exception
+    raised halfway: the half-made object prints a traceback when it is collected."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: held.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if held and callable(before):
+            before(signal.SIGINT, held[0])
+
+
+class _Pool(ProcessPoolExecutor):
+    def submit(self, fn, /, *args, **kwargs):  # starts a worker when one is due
+        with _interrupt_deferred():
+            return super().submit(fn, *args, **kwargs)
+
+
+@contextmanager
 def pool(workers: int, preload: Sequence[str], initializer: Callable, initargs: tuple) -> Iterator[ProcessPoolExecutor]:
     """Worker processes for `with`. Leaving it by an exception (Ctrl-C in the caller) ends the
     workers at once instead of waiting for the tasks in flight, which could be most of the work."""
     start(preload)
-    ex = ProcessPoolExecutor(workers, mp_context=context(preload), initializer=_worker_init,
-                             initargs=(_umask(), initializer, initargs))
+    with _interrupt_deferred():
+        ex = _Pool(workers, mp_context=context(preload), initializer=_worker_init,
+                   initargs=(_umask(), initializer, initargs))
     try:
         yield ex
     except GeneratorExit:  # a generator over the pool closed once its caller had what it needed
