@@ -30,7 +30,7 @@ MAX_ENDS = 1 << 16
 # failed) is then lent out a bounded number of times, not for as long as its prefix is in use.
 LENDS = 64
 MAX_OWNERS = 1 << 16
-WALKS = 64  # first blocks (system prompts, per namespace) whose latest walk a request may start from
+WALKS = 16  # first blocks (system prompts, per namespace) whose latest walk a request may start from
 
 
 @dataclass

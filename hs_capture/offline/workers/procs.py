@@ -109,7 +109,7 @@ def _interrupt_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
         if held and callable(before):
             before(signal.SIGINT, held[0])
 
