@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional, TypeVar
+from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 T = TypeVar("T")
 
@@ -19,31 +19,43 @@ LABELS = {"step_line": "step line", "quantize": "quantizing", "staging": "stagin
           "buffer_wait": "waiting for a host buffer", "handoff": "hand-off"}
 
 
-class ForwardCost:
+class _SecondsByCause:
+    """Seconds by cause and a count of what they were spent over (steps, requests)."""
+    CAUSES: Tuple[str, ...] = ()
+    LABELS: Dict[str, str] = {}
+    OVER = ""
+
     def __init__(self) -> None:
-        self.seconds: Dict[str, float] = dict.fromkeys(CAUSES, 0.0)
-        self.steps = 0
+        self.seconds: Dict[str, float] = dict.fromkeys(self.CAUSES, 0.0)
+        self.count = 0
         self._lock = threading.Lock()
 
     def add(self, cause: str, seconds: float) -> None:
         with self._lock:
             self.seconds[cause] += seconds
 
-    def step(self) -> None:
-        with self._lock:
-            self.steps += 1
-
     def report(self) -> Dict[str, float]:
         with self._lock:
             out = {f"{c}_s": round(v, 4) for c, v in self.seconds.items()}
             out["held_s"] = round(sum(self.seconds.values()), 4)
-            out["steps"] = self.steps
+            out[self.OVER] = self.count
         return out
 
-    @staticmethod
-    def describe(report: Dict[str, float]) -> str:
-        parts = ", ".join(f"{LABELS[c]} {report[c + '_s']:.3f} s" for c in CAUSES)
-        return f"forwards held {report['held_s']:.3f} s by capture over {report['steps']} steps ({parts})"
+    @classmethod
+    def _parts(cls, report: Dict[str, float]) -> str:
+        return ", ".join(f"{cls.LABELS[c]} {report[c + '_s']:.3f} s" for c in cls.CAUSES)
+
+
+class ForwardCost(_SecondsByCause):
+    CAUSES, LABELS, OVER = CAUSES, LABELS, "steps"
+
+    def step(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    @classmethod
+    def describe(cls, report: Dict[str, float]) -> str:
+        return f"forwards held {report['held_s']:.3f} s by capture over {report['steps']} steps ({cls._parts(report)})"
 
 
 # the scheduler thread's calls into capture's request bookkeeping (requests.py)
@@ -52,33 +64,23 @@ CALL_LABELS = {"pick": "picking new requests", "cap": "capping prefix matches", 
                "batch": "noting prefill batches"}
 
 
-class SchedulerCost:
+class SchedulerCost(_SecondsByCause):
     """The time SGLang's scheduler thread spends in capture's request bookkeeping: picking each
     new request (with --follow, judging whether it continues a captured one), capping a
     captured request's prefix match, noting its match and its batch. No forward waits for it,
     but where the scheduler's thread is the server's bottleneck (many short requests, most of
-    their prompts from the cache) every request pays it, captured or not. Only the scheduler's
-    thread calls it."""
+    their prompts from the cache) every request pays it, captured or not."""
+    CAUSES, LABELS, OVER = CALLS, CALL_LABELS, "requests"
 
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = dict.fromkeys(CALLS, 0.0)
-        self.requests = 0
+    def add(self, cause: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[cause] += seconds
+            self.count += cause == "pick"
 
-    def add(self, call: str, seconds: float) -> None:
-        self.seconds[call] += seconds
-        self.requests += call == "pick"
-
-    def report(self) -> Dict[str, float]:
-        out = {f"{c}_s": round(v, 4) for c, v in self.seconds.items()}
-        out["held_s"] = round(sum(self.seconds.values()), 4)
-        out["requests"] = self.requests
-        return out
-
-    @staticmethod
-    def describe(report: Dict[str, float]) -> str:
-        parts = ", ".join(f"{CALL_LABELS[c]} {report[c + '_s']:.3f} s" for c in CALLS)
+    @classmethod
+    def describe(cls, report: Dict[str, float]) -> str:
         return (f"the scheduler's thread spent {report['held_s']:.3f} s in capture's request bookkeeping over "
-                f"{report['requests']} requests ({parts})")
+                f"{report['requests']} requests ({cls._parts(report)})")
 
 
 SCHEDULER = SchedulerCost()  # this process's
