@@ -199,3 +199,23 @@ def test_continuing_reuses_recent_walks_and_judges_as_a_full_walk_does():
                 full = fast.prompt(r, ns2)
                 assert (got.data, got.chain, got.seed) == (full.data, full.chain, full.seed)
     assert followed > 50 and fast._walks
+
+
+def test_reuse_and_follow_asked_with_the_radix_cache_off_say_they_are_not_taken(monkeypatch, caplog, tmp_path):
+    import logging
+
+    from hs_capture.server import capture
+    from hs_capture.server import requests as requests_mod
+    from hs_capture.server.config import CaptureConfig
+
+    policy = capture_policy({"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_REUSE_CAPTURED": "1", "HSCAP_FOLLOW": "1"})
+    assert policy.reuse_captured and policy.follow
+    picker = RequestPicker(policy, radix_cache=False)
+    monkeypatch.setattr(requests_mod, "is_hooked", lambda: True)
+    monkeypatch.setattr(requests_mod, "picker", lambda: picker)
+    with caplog.at_level(logging.INFO):
+        capture._policy_picker(CaptureConfig(dump_dir=str(tmp_path), run_id="run-test", policy=policy),
+                               {"disable_radix_cache": True})
+    assert "HSCAP_REUSE_CAPTURED=1 and HSCAP_FOLLOW=1 are not taken: the radix cache is off" in caplog.text
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("capture policy:"))
+    assert line == f"capture policy: only requests marked extra_key={MARK}*; radix cache off"
