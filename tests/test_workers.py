@@ -125,3 +125,21 @@ def test_a_ctrl_c_while_the_pool_starts_a_worker_is_held_until_that_is_done():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_ctrl_c_held_under_the_default_action_still_ends_the_process(tmp_path):
+    """Where SIGINT has its default action (a caller that set SIG_DFL), the held signal is
+    delivered, not dropped: the process ends by it."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from hs_capture.offline.workers import procs\n"
+            "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+            "with procs._interrupt_deferred():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    time.sleep(0.05)\n"
+            "print('still alive')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == -2 and "still alive" not in p.stdout, (p.returncode, p.stdout, p.stderr)

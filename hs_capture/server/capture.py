@@ -294,10 +294,10 @@ def _policy_picker(cfg: CaptureConfig, flags: Dict[str, Any]) -> Optional["reque
     own = requests_mod.namespacing()
     reuse = picker is not None and picker.reuse is not None
     if not radix and cfg.policy.reuse_captured and picker is not None:
-        follow = cfg.policy.follow
+        follow = cfg.policy.follow and not cfg.policy.everything
         log.warning("WARNING: %s not taken: the radix cache is off, so captured requests are prefilled "
                     "whole%s (hscap serve --reuse-captured keeps the cache)",
-                    "HSCAP_REUSE_CAPTURED=1 and HSCAP_FOLLOW=1 are" if follow else "HSCAP_REUSE_CAPTURED=1 is",
+                    "HSCAP_REUSE_CAPTURED=1 and HSCAP_FOLLOW=1 are" if cfg.policy.follow else "HSCAP_REUSE_CAPTURED=1 is",
                     " and the requests that continue them are not captured" if follow else "")
     if radix and cfg.policy.reuse_captured and not reuse and picker is not None:
         log.warning("WARNING: HSCAP_REUSE_CAPTURED=1 is not taken (SGLang %s): %s; captured requests %s",

@@ -112,6 +112,8 @@ def _interrupt_deferred() -> Iterator[None]:
         signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
         if held and callable(before):
             before(signal.SIGINT, held[0])
+        elif held and before != signal.SIG_IGN:  # the default action, or the handler restored above
+            signal.raise_signal(signal.SIGINT)
 
 
 class _Pool(ProcessPoolExecutor):
