@@ -30,10 +30,13 @@ from typing import Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+sys.path.insert(0, os.path.join(HERE, "gpu"))
+
 from hs_capture.dump.capture_policy import rid_fraction  # noqa: E402
 from hs_capture.server.captured_prefixes import CapturedPrefixes  # noqa: E402
+from rate_sweep import CHAT_CONCURRENCY as CONCURRENCY, CHAT_CONVERSATIONS as CONVERSATIONS  # noqa: E402
+from rate_sweep import CHAT_SYSTEM as SYSTEM, CHAT_TURNS as TURNS, SALT_TOKEN  # noqa: E402
 
-CONVERSATIONS, TURNS, SYSTEM, CONCURRENCY = 600, 4, 1024, 64
 GPU_REQUESTS_PER_S = 440  # rate_sweep's chat rounds on an H100 (rate_sweep.h100.results.json, run N)
 
 
@@ -99,7 +102,7 @@ def main() -> None:
         idx = CapturedPrefixes()
         if name == "full_walk":
             idx._remember = lambda *a: None  # no walk is remembered: every request digested from its start
-        res[name] = [dict(round=r, **run_round(idx, convs, order, 7 + k, 0.05 if r == "cv5" else 0.0, f"r{k}"))
+        res[name] = [dict(round=r, **run_round(idx, convs, order, SALT_TOKEN + k, 0.05 if r == "cv5" else 0.0, f"r{k}"))
                      for k, r in enumerate(rounds)]
         for x in res[name]:
             print(name, json.dumps(x), flush=True)
