@@ -67,8 +67,9 @@ class CapturedPrefixes:
         # owner -> [its blocks, times lent] (the most recent owners)
         self._owned: "OrderedDict[str, list]" = OrderedDict()
         # the latest walk of `continuing` that began with a given block in a given namespace:
-        # (namespace seed, the first block's token bytes) -> (its token bytes, their block digests)
-        self._walks: "OrderedDict[Tuple[bytes, bytes], Tuple[bytes, List[bytes]]]" = OrderedDict()
+        # (namespace seed, the first block's token bytes) -> [its token bytes, their block digests,
+        # how many of its blocks the latest request that started from it shared]
+        self._walks: "OrderedDict[Tuple[bytes, bytes], list]" = OrderedDict()
 
     def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
         data, seed = token_bytes(tokens), namespace_seed(namespace)
@@ -160,28 +161,43 @@ class CapturedPrefixes:
 
     def _walked(self, ids: "_TokenBytes", seed: bytes) -> List[bytes]:
         """The digests of the longest run of whole blocks that these ids share with the recent
-        walk that began with the same block in the same namespace (a copy: the caller extends it)."""
+        walk that began with the same block in the same namespace (a copy: the caller extends it).
+        The ids are compared first where the request before parted from that walk (a system
+        prompt's end), then one block past it: most requests are converted only that far."""
         b, step = self.block, self.block * 8
         most = len(ids.tokens) // b
         walk = self._walks.get((seed, ids.upto(b)[:step])) if most else None
         if walk is None:
             return []
-        wdata, wchain = walk
-        lo = hi = min(len(wchain), most)  # the first block agrees; find the most that do
-        data = ids.upto(hi * b)
-        if data[:hi * step] != wdata[:hi * step]:
-            lo = 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if data[:mid * step] == wdata[:mid * step]:
-                    lo = mid
-                else:
-                    hi = mid - 1
+        wdata, wchain, fork = walk
+        top, wv = min(len(wchain), most), memoryview(wdata)
+
+        def agree(m: int) -> bool:  # the first m blocks are the walk's
+            return ids.upto(m * b).startswith(wv[:m * step])
+
+        lo = min(fork, top)  # the first block agrees (the key)
+        if agree(lo):
+            hi, ahead = top, 1
+            while lo < hi:  # gallop past it: one block, two, four, ...
+                t = min(lo + ahead, hi)
+                if not agree(t):
+                    hi = t - 1
+                    break
+                lo, ahead = t, 2 * ahead
+        else:
+            lo, hi = 1, lo - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if agree(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        walk[2] = lo
         return wchain[:lo]
 
     def _remember(self, seed: bytes, data: bytes, chain: List[bytes]) -> None:
         key = (seed, data[:self.block * 8])
-        self._walks[key] = (data, chain)
+        self._walks[key] = [data, chain, len(chain)]
         self._walks.move_to_end(key)
         while len(self._walks) > WALKS:
             self._walks.popitem(last=False)
@@ -203,8 +219,12 @@ class CapturedPrefixes:
         return False
 
 
+AHEAD = 128  # ids _TokenBytes converts past what is asked, once it has converted some
+
+
 class _TokenBytes:
-    """A prompt's ids as token_bytes, converted as far as asked (doubling: amortized once)."""
+    """A prompt's ids as token_bytes, converted as far as asked: the first time exactly, then
+    up to AHEAD more (a walk block by block converts in few calls)."""
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens = tokens
@@ -214,5 +234,6 @@ class _TokenBytes:
         """The bytes of at least the first n ids (all of them, where there are fewer)."""
         have = len(self.data) // 8
         if have < n and have < len(self.tokens):
-            self.data += token_bytes(self.tokens[have:min(len(self.tokens), max(n, 2 * have))])
+            end = n if not have else max(n, min(2 * have, n + AHEAD))
+            self.data += token_bytes(self.tokens[have:min(len(self.tokens), end)])
         return self.data
