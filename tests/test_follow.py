@@ -21,10 +21,10 @@ LAYERS = [1, 2]
 
 
 def index_text(step, seqs, dropped=False) -> str:
-    """One index line as a writer appends it; seqs: (rid, prefix, len) in row order."""
+    """One index line as a writer appends it; seqs: (rid, prefix, len[, src, src_hash]) in row order."""
     entries, at = [], 0
-    for rid, prefix, n in seqs:
-        entries.append(SeqEntry(rid, n, prefix, at))
+    for rid, prefix, n, *src in seqs:
+        entries.append(SeqEntry(rid, n, prefix, at, *src))
         at += n
     line = step_line("EXTEND", at, at, "bfloat16", entries)
     line = line.dropped_as(step, "writer_full", 0.0) if dropped else line.committed(
@@ -32,14 +32,17 @@ def index_text(step, seqs, dropped=False) -> str:
     return json.dumps(line.to_json()) + "\n"
 
 class Run:
-    def __init__(self, dump, name):
+    def __init__(self, dump, name, lends=False):
+        """lends: the server's captured requests borrow prefixes from earlier captures."""
+        self.extra = {"capture_policy": {"reuse_captured": True, "follow": True}} if lends else {}
         self.dir = os.path.join(dump, name)
         os.makedirs(os.path.dirname(rank_meta_path(self.dir, TAG)), exist_ok=True)
         os.makedirs(os.path.dirname(index_path(self.dir, TAG)), exist_ok=True)
         self.meta("running")
 
     def meta(self, status):
-        meta = RankMeta(layers=LAYERS, hidden_size=8, num_layers=4, run_id=os.path.basename(self.dir), status=status)
+        meta = RankMeta(layers=LAYERS, hidden_size=8, num_layers=4, run_id=os.path.basename(self.dir), status=status,
+                        extra=self.extra)
         with open(rank_meta_path(self.dir, TAG), "w") as f:
             json.dump(meta.to_json(), f)
 
@@ -150,6 +153,84 @@ def test_the_follower_keeps_no_step_and_no_piece_it_no_longer_needs(tmp_path):
     assert max(h["step_runs"] for h in held) <= 1 and max(h["captures"] for h in held) <= 3, held
 
 
+# ------------------------------------------------------------------ prefixes borrowed from earlier captures
+
+
+def pieces_of(w):
+    return [(p.step, p.prefix, p.length) for p in w.pieces]
+
+
+def test_a_borrowed_prefix_is_joined_from_its_source_whole_on_the_rank(tmp_path):
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1", lends=True)
+    f = Follower([dump])
+    run.line(0, [("s", 0, 64)])
+    run.line(1, [("x", 0, 3)])
+    assert names(f.poll()) == ["s"]
+    run.line(2, [("b", 32, 10, "s", "ab" * 16)])  # positions 0-32 from the cache, held by s's capture
+    run.line(3, [("x2", 0, 1)])
+    got = f.poll()
+    assert names(got) == ["x", "b"]
+    w = got[1]
+    assert pieces_of(w) == [(0, 0, 32), (2, 32, 10)]
+    assert [(x.length, x.src, x.src_hash) for x in w.borrows] == [(32, "s", "ab" * 16)]
+    run.line(4, [("c", 40, 4, "b", "cd" * 16)])  # from b's capture, which joins s's: both checked
+    run.meta("closed")
+    assert f.close_check()
+    got = f.poll()
+    assert names(got) == ["x2", "c"]
+    w = got[1]
+    assert pieces_of(w) == [(0, 0, 32), (2, 32, 8), (4, 40, 4)]
+    assert sorted((x.length, x.src) for x in w.borrows) == [(32, "s"), (40, "b")]
+    # a server that does not lend: no join, and the sample is never handed out in part
+    other = str(tmp_path / "other")
+    run = Run(other, "run-1")
+    f = Follower([other])
+    run.line(0, [("s", 0, 64)])
+    run.line(1, [("b", 32, 10, "s", "ab" * 16)])
+    run.meta("closed")
+    f.close_check()
+    assert names(f.poll()) == ["s"] and "ended short of whole" in f.pending["b"]
+
+
+def test_a_capture_that_ends_before_its_source_is_whole_waits_for_it_or_goes_with_it(tmp_path):
+    for lost in (False, True):
+        dump = str(tmp_path / f"dump{lost}")
+        run = Run(dump, "run-1", lends=True)
+        f = Follower([dump], {"s": 128, "b": 42, "c": 50})  # with the dataset's lengths
+        run.line(0, [("s", 0, 32)])  # s is chunked: 32 tokens a step, in consecutive steps
+        run.line(1, [("s", 32, 32), ("b", 32, 10, "s", "ab" * 16)])  # b borrows s's first chunk
+        run.line(2, [("s", 64, 32), ("c", 0, 50)])  # b is over, s is not whole yet
+        assert names(f.poll()) == ["c"]
+        assert "waits for request 's'" in f.pending["b"]
+        run.line(3, [("s", 96, 32)], dropped=lost)
+        run.line(4, [("x", 0, 1)])
+        got = f.poll()
+        if not lost:
+            assert names(got) == ["s", "b"]  # b at s's line
+            assert pieces_of(got[1]) == [(0, 0, 32), (1, 32, 10)]
+            assert f.held()["waiting"] == 0 and f.held()["captures"] == 0
+        else:
+            assert got == []
+            run.meta("closed")
+            f.close_check()
+            assert f.poll() == []
+            assert "'s''s capture, which is not whole on dp0-tp0-pp0" in f.pending["b"], f.pending
+            assert f.held()["waiting"] == 0
+
+
+def test_a_capture_judged_before_its_source_in_one_line_is_whole_at_that_line(tmp_path):
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1", lends=True)
+    f = Follower([dump], {"s": 64, "a": 40})  # "a" sorts before "s": judged first
+    run.line(0, [("s", 0, 32)])
+    run.line(1, [("s", 32, 32), ("a", 32, 8, "s", "ab" * 16)])  # its source's last chunk in the same step
+    got = f.poll()
+    assert names(got) == ["s", "a"] and got[1].at == got[0].at
+    assert pieces_of(got[1]) == [(0, 0, 32), (1, 32, 8)]
+    assert f.held()["waiting"] == 0
+
+
 # ------------------------------------------------------------------ a long run, in bounded memory
 
 
@@ -181,7 +262,7 @@ class Rank:
     windows of 4, and a line sometimes half appended when the follower reads."""
 
     def __init__(self, dump, run, tag, steps, rng):
-        self.dir, self.tag = os.path.join(dump, run), tag
+        self.dir, self.tag, self.extra = os.path.join(dump, run), tag, {}
         os.makedirs(os.path.dirname(rank_meta_path(self.dir, tag)), exist_ok=True)
         os.makedirs(os.path.dirname(index_path(self.dir, tag)), exist_ok=True)
         self.meta("running")
@@ -202,7 +283,8 @@ class Rank:
         self.covered, self.broken = covered, broken
 
     def meta(self, status):
-        meta = RankMeta(layers=LAYERS, hidden_size=8, num_layers=4, run_id=os.path.basename(self.dir), status=status)
+        meta = RankMeta(layers=LAYERS, hidden_size=8, num_layers=4, run_id=os.path.basename(self.dir), status=status,
+                        extra=self.extra)
         with open(rank_meta_path(self.dir, self.tag), "w") as f:
             json.dump(meta.to_json(), f)
 

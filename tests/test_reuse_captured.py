@@ -23,7 +23,7 @@ from hs_capture.offline.read.assemble import Assembler, TokensDiffer
 from hs_capture.offline.read.planning import plan
 from hs_capture.offline.read.reader import open_runs
 from hs_capture.offline.verify import verify
-from tests.sglang_cpu.harness import REPO, Server, server_env
+from tests.sglang_cpu.harness import REPO, Server, server_env, write_jsonl
 from tests.test_e2e import LAYERS, assert_equal_to_transformers
 from tests.test_production_capture import CHUNK, send_conversations, workload
 
@@ -180,17 +180,37 @@ def test_a_sample_whose_prefix_source_is_not_whole_is_incomplete_and_says_why(se
     assert src in p.incomplete
 
 
-def test_the_live_reader_names_what_it_does_not_join(served):
-    from hs_capture.offline.read.follow import Follower
+def test_the_live_reader_joins_borrowed_prefixes_as_merge_does(served, tmp_path):
+    """The live DumpDataset (as the README's recipe makes it) hands out every marked sample,
+    each joined from the captures it borrowed from, equal to merge's; a joined prefix whose
+    token ids are not the ones the server matched is left out, saying so."""
+    import torch
+
+    from hs_capture import DumpDataset
 
     ids = served["marked_ids"]
-    f = Follower([served["dump"]], {rid: len(t) for rid, t in ids.items()})
-    whole = {w.rid for w in f.poll()}
-    f.close_check()
-    whole |= {w.rid for w in f.poll()}
-    joined = {rid: why for rid, why in f.pending.items() if "live reader does not do" in why}
-    assert joined and not set(joined) & whole, (sorted(f.pending.items())[:5], len(whole))
-    assert whole and all(rid.endswith("-t0/m") for rid in whole)  # only what no capture lent a prefix to
+    data = write_jsonl(tmp_path / "data.jsonl", [{"id": rid, "input_ids": t} for rid, t in ids.items()])
+    asm = Assembler(plan([served["dump"]], {rid: len(t) for rid, t in ids.items()}))
+    want = {}
+    for rid, t in ids.items():  # both sends of a prompt: the same tokens
+        want.setdefault(tuple(t), []).append(asm.sample(rid))
+    ds = DumpDataset(served["dump"], data, keys="hscap", follow=True)
+    got = list(ds)
+    assert not ds.skipped, ds.skipped
+    assert sorted(tuple(x["input_ids"].tolist()) for x in got) == sorted(tuple(t) for t in ids.values())
+    for x in got:
+        assert any(torch.equal(x["hidden_state"], s.final) and torch.equal(x["aux_hidden_state"], torch.cat(
+            [s.layers[k] for k in sorted(s.layers)], dim=-1)) for s in want[tuple(x["input_ids"].tolist())])
+
+    def tamper(lines):
+        seq = first_joined(lines)
+        seq["src_hash"] = "0" * 32
+        return seq["rid"]
+
+    dump, victim = edited_copy(served, tmp_path, tamper)
+    ds = DumpDataset(dump, data, keys="hscap", follow=True)
+    assert len(list(ds)) < len(ids)
+    assert victim in ds.skipped and "joined from request" in ds.skipped[victim]
 
 
 def test_a_conversation_of_1500_turns_each_borrowing_from_the_last_is_planned(tmp_path):

@@ -12,6 +12,12 @@ A capture is one request's pieces on one rank of one run. It ends by the same ru
 that ended short of whole (a dropped step held part of it, a prefix-cache hit, a server
 stopped mid-request) is let go: a later capture can still make the request whole, on its own
 (merge may also join pieces of both; a live reader keeps only what is still being written).
+
+A capture whose first positions came from the radix cache (HSCAP_REUSE_CAPTURED) names the
+request whose capture holds them; that request was captured by the same scheduler, so its
+pieces are on the same rank, earlier. Such a rank keeps its latest SOURCES_KEPT wholes to join
+such a prefix from (planning.joined_prefix, as merge does); a capture whose source is still
+open is judged again when its source is whole, and is let go with its source.
 Without a dataset, a request a dropped step touched is never whole here (merge would keep its
 captured prefix; a live reader must never hand out part of a sample). Each request is named
 once: the first time it is whole.
@@ -43,12 +49,15 @@ from hs_capture.dump.paths import index_path, rank_meta_path, rank_tags, run_dir
 from hs_capture.dump.schema import IndexLine, RankMeta, SchemaError
 from hs_capture.offline.read.attribution import generated_by_sglang
 from hs_capture.offline.read.coverage import Judgement, Span, whole_chain
-from hs_capture.offline.read.planning import Piece
+from hs_capture.offline.read.planning import Borrow, Piece, joined_prefix, unjoined
 from hs_capture.offline.read.reader import DumpError, Run
 
 RankKey = Tuple[int, str]  # (index into Follower.runs, rank tag)
 Position = Tuple[str, str, int]  # (run id, rank tag, line of its index; the close is one past the last)
 GIVEN_UP_KEPT = 1024  # the most recent captures let go, kept to say why (Follower.pending)
+# wholes a rank keeps to join the prefixes later captures borrow from them: a source is lent
+# by the server for as long as its prefix stays in its index, most often to the next few turns
+SOURCES_KEPT = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,7 @@ class Whole:
     rid: str
     pieces: List[Piece]
     at: Position = ("", "", 0)
+    borrows: List[Borrow] = field(default_factory=list)  # what its joined prefixes require of its tokens
 
     @property
     def end(self) -> Tuple[int, str, int]:
@@ -185,8 +195,12 @@ class _Rank:
     captures: Dict[str, _Capture] = field(default_factory=dict)  # rid -> its open capture here
     by_last: Dict[int, Set[str]] = field(default_factory=dict)  # step -> rids whose capture's latest piece is there
     short: Set[str] = field(default_factory=set)  # rids whose capture is over and not whole
+    lends: bool = False  # its captured requests borrow prefixes from earlier captures (HSCAP_REUSE_CAPTURED)
     closed: bool = False  # its metadata says the run is over
     over: bool = False  # ... and what the close ends has been judged
+    # rid -> (pieces, joins) of its latest SOURCES_KEPT wholes here: what later captures borrow from
+    wholes: "OrderedDict[str, Tuple[List[Piece], List[Borrow]]]" = field(default_factory=OrderedDict)
+    waiting: Dict[str, Set[str]] = field(default_factory=dict)  # open source rid -> captures borrowing from it
 
     def add(self, rid: str, piece: Piece) -> None:
         cap = self.captures.setdefault(rid, _Capture())
@@ -250,7 +264,9 @@ class Follower:
                     if meta is not None:
                         self._admit(meta)
                         run.ranks[tag] = meta
-                        self._ranks[(i, tag)] = _Rank(run_id, tag)
+                        policy = meta.extra.get("capture_policy") if isinstance(meta.extra, dict) else None
+                        lends = isinstance(policy, dict) and policy.get("reuse_captured") is True
+                        self._ranks[(i, tag)] = _Rank(run_id, tag, lends=lends)
                         followed.add((run_id, tag))
 
     def _meta(self, run: Run, tag: str) -> Optional[RankMeta]:
@@ -342,6 +358,8 @@ class Follower:
                 continue
             st.add(s.rid, Piece.of(key[0], st.tag, line, s, files))
             touched.append(s.rid)
+            if st.lends and s.src is not None and s.prefix > 0 and s.src not in st.wholes:
+                st.waiting.setdefault(s.src, set()).add(s.rid)  # judged again once its source is whole
         ended = st.by_last.get(line.step - 1, ())  # this step does not continue them
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
 
@@ -361,44 +379,78 @@ class Follower:
                 continue  # without a dataset, whole only once over
             if length is not None and rid not in touched:
                 if ended:  # no new piece: not whole
-                    st.short.add(rid)
+                    self._ended_short(st, rid, cap)
                 continue
-            j = self._chain(cap, length)
+            j = self._chain(st, cap, length)
             if j.whole:
-                chain = [s.ref for s in j.chain]
+                chain, borrows = unjoined(j.chain)
                 self._settle(rid)
                 self._given_up.pop(rid, None)  # an earlier capture's fate no longer matters
-                if length is None and chain[0].step == 0 and generated_by_sglang(rid):  # SGLang's startup warmup
-                    continue
-                w = Whole(rid, chain, (st.run_id, st.tag, at))
-                if self.progress is None or not self.progress.covers(w):
-                    out.append(w)
+                if st.lends:
+                    st.wholes[rid] = (chain, borrows)
+                    if len(st.wholes) > SOURCES_KEPT:
+                        st.wholes.popitem(last=False)
+                waiters = sorted(st.waiting.pop(rid, ()))
+                if not (length is None and chain[0].step == 0 and generated_by_sglang(rid)):  # SGLang's startup warmup
+                    w = Whole(rid, chain, (st.run_id, st.tag, at), borrows)
+                    if self.progress is None or not self.progress.covers(w):
+                        out.append(w)
+                if waiters:  # judged before their source was whole: joined now, at this line
+                    out += self._judge(st, waiters, at, closing, touched=set(waiters))
             elif ended:
-                st.short.add(rid)
+                self._ended_short(st, rid, cap)
         self._let_go(st, closing)
         return out
 
     @staticmethod
-    def _chain(cap: _Capture, length: Optional[int]) -> Judgement:
-        return whole_chain([Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p)
-                            for p in (cap.pieces[k] for k in sorted(cap.pieces))], length)
+    def _chain(st: _Rank, cap: _Capture, length: Optional[int]) -> Judgement:
+        """The capture's pieces, and each prefix one of them borrowed joined from its source's
+        whole on this rank, judged by the one completeness rule."""
+        pieces = [cap.pieces[k] for k in sorted(cap.pieces)]
+        spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in pieces]
+        for p in pieces:
+            source = st.wholes.get(p.src) if p.src is not None and p.prefix > 0 else None
+            if source is not None and sum(c.length for c in source[0]) >= p.prefix:
+                spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), joined_prefix(p, *source)))
+        return whole_chain(spans, length)
+
+    @staticmethod
+    def _ended_short(st: _Rank, rid: str, cap: _Capture) -> None:
+        """A capture ended and is not whole: it waits for the request whose capture, still open
+        on this rank, holds a prefix it borrowed; else it is let go once its steps are read."""
+        source = next((p.src for p in cap.pieces.values() if p.src is not None and p.prefix > 0
+                       and p.src not in st.wholes and p.src in st.captures), None)
+        if source is None:
+            st.short.add(rid)
+        else:
+            st.waiting.setdefault(source, set()).add(rid)
 
     def _let_go(self, st: _Rank, closing: bool) -> None:
         """Let go of the captures that ended short of whole once every step around them is read
         (lines come out of step order: one of its chunks may still be on its way)."""
-        for rid in list(st.short):
-            cap = st.captures.get(rid)
-            if cap is None:
-                st.short.discard(rid)
-            elif closing or st.steps.spans(max(min(cap.pieces) - 1, 0), cap.last + 1):
-                st.short.discard(rid)
-                why = self._chain(cap, self._todo[rid] if self._todo is not None else None).reason
-                joined = next((p for p in cap.pieces.values() if p.src is not None), None)
-                if joined is not None:  # HSCAP_REUSE_CAPTURED: its prefix is in another request's capture
-                    why = (f"positions 0-{joined.prefix} are joined from request {joined.src!r}'s capture, which a "
-                           "live reader does not do: merge the dump, or read it once the server is done")
-                self._give_up(st, rid, f"its capture on {st.tag} of run {st.run_id} ended short of whole ({why})",
-                              for_good=False)
+        while True:
+            for source in [x for x in st.waiting if x not in st.captures]:  # let go short of whole
+                st.short |= {rid for rid in st.waiting.pop(source)
+                             if rid in st.captures and st.captures[rid].last + 1 in st.steps}
+            gone = False
+            for rid in list(st.short):
+                cap = st.captures.get(rid)
+                if cap is None:
+                    st.short.discard(rid)
+                elif closing or st.steps.spans(max(min(cap.pieces) - 1, 0), cap.last + 1):
+                    st.short.discard(rid)
+                    why = self._chain(st, cap, self._todo[rid] if self._todo is not None else None).reason
+                    joined = next((p for p in cap.pieces.values() if p.src is not None and p.prefix > 0
+                                   and p.src not in st.wholes), None)
+                    if joined is not None:  # HSCAP_REUSE_CAPTURED: its prefix is in another request's capture
+                        why = (f"positions 0-{joined.prefix} are joined from request {joined.src!r}'s capture, "
+                               f"which is not whole on {st.tag} (or was whole more than {SOURCES_KEPT} samples "
+                               "before): merge the dump")
+                    self._give_up(st, rid, f"its capture on {st.tag} of run {st.run_id} ended short of whole "
+                                           f"({why})", for_good=False)
+                    gone = True
+            if not (gone and any(x not in st.captures for x in st.waiting)):
+                return
 
     def poll(self) -> List[Whole]:
         """Read what was committed since the last poll; the requests that became whole, each
@@ -441,6 +493,9 @@ class Follower:
         for st in self._ranks.values():
             for rid in st.captures:
                 out[rid] = "not whole yet"
+            for source, rids in st.waiting.items():
+                out.update((rid, f"waits for request {source!r}, whose capture holds the prefix it borrowed")
+                           for rid in rids if rid in st.captures)
         return out
 
     def held(self) -> Dict[str, int]:
@@ -454,5 +509,7 @@ class Follower:
                 "by_last": sum(len(v) for st in ranks for v in st.by_last.values()),
                 "short": sum(len(st.short) for st in ranks),
                 "given_up": len(self._given_up),
+                "sources": sum(len(st.wholes) for st in ranks),
+                "waiting": sum(len(v) for st in ranks for v in st.waiting.values()),
                 "dataset_left": len(self._todo) if self._todo is not None else 0,
                 "settled_bytes": 16 * len(self._settled) if self._settled is not None else 0}

@@ -214,13 +214,7 @@ class Captured:
                     borrowed_why = why
         j = whole_chain(spans, length)
         if j.whole:
-            chain, borrows = [], []
-            for s in j.chain:
-                if isinstance(s.ref, _Joined):
-                    chain += s.ref.pieces
-                    borrows += s.ref.borrows
-                else:
-                    chain.append(s.ref)
+            chain, borrows = unjoined(j.chain)
             return chain, None, [s.ref for s in j.extras if isinstance(s.ref, Piece)], borrows
         if borrowed_why is not None:
             return None, borrowed_why, [], []
@@ -245,7 +239,7 @@ class Captured:
         for p in sorted(borrowing, key=lambda p: (p.run, p.step, p.rank)):
             self._borrowed(p)
 
-    def _borrowed(self, p: Piece) -> Tuple[Optional["_Joined"], Optional[str]]:
+    def _borrowed(self, p: Piece) -> Tuple[Optional["Joined"], Optional[str]]:
         """The pieces of `p.src`'s capture that make it whole to `p.prefix`, or None and why not."""
         key = (p.src, p.prefix)
         if key not in self._sources:
@@ -261,19 +255,39 @@ class Captured:
         if chain is None:
             return None, (f"positions 0-{p.prefix} are borrowed from request {p.src!r}, whose capture is not whole "
                           f"there ({why})")
-        # the source's own joins within the prefix are this sample's too: each is checked again
-        nested = [b for b in inner if b.length <= p.prefix]
-        cut = [c if c.prefix + c.length <= p.prefix else replace(c, length=p.prefix - c.prefix)
-               for c in chain if c.prefix < p.prefix]
-        return _Joined(cut, [Borrow(p.prefix, p.src, p.src_hash or ""), *nested]), None
+        return joined_prefix(p, chain, inner), None
 
 
 @dataclass(eq=False)
-class _Joined:
+class Joined:
     """A borrowed prefix as one span of whole_chain: the pieces it stands for, and what to
     check of their tokens."""
     pieces: List[Piece]
     borrows: List[Borrow]
+
+
+def joined_prefix(p: Piece, chain: List[Piece], inner: List[Borrow]) -> Joined:
+    """Positions [0, p.prefix) of the request whose piece `p` borrowed them, from `chain`, the
+    pieces that make p.src whole at least that far (`inner`: what that chain joins in turn)."""
+    # the source's own joins within the prefix are this sample's too: each is checked again
+    nested = [b for b in inner if b.length <= p.prefix]
+    cut = [c if c.prefix + c.length <= p.prefix else replace(c, length=p.prefix - c.prefix)
+           for c in chain if c.prefix < p.prefix]
+    return Joined(cut, [Borrow(p.prefix, p.src or "", p.src_hash or ""), *nested])
+
+
+def unjoined(chain: Iterable[Span]) -> Tuple[List[Piece], List[Borrow]]:
+    """A whole chain's pieces, each joined prefix replaced by the pieces it stands for, and
+    what the joins require of the tokens."""
+    pieces: List[Piece] = []
+    borrows: List[Borrow] = []
+    for s in chain:
+        if isinstance(s.ref, Joined):
+            pieces += s.ref.pieces
+            borrows += s.ref.borrows
+        else:
+            pieces.append(s.ref)
+    return pieces, borrows
 
 
 def plan(dump_dirs: Iterable[str], lengths: Optional[Dict[str, int]] = None,

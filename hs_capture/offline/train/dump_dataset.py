@@ -261,6 +261,8 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
                     progress.settle(w)  # another rank's
                     continue
                 p.samples[w.rid] = w.pieces
+                if w.borrows:
+                    p.borrows[w.rid] = w.borrows
                 before = asm.bytes_decoded
                 try:
                     item = _item(self.format, asm, w.rid, self.inputs)
@@ -270,6 +272,7 @@ class FollowingDumpDataset(torch.utils.data.IterableDataset, DumpDataset):
                     continue
                 finally:
                     del p.samples[w.rid]
+                    p.borrows.pop(w.rid, None)
                 self.bytes_decoded += asm.bytes_decoded - before
                 progress.settle(w)  # in the state before the item is handed out
                 yield item
