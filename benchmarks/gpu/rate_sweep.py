@@ -106,6 +106,9 @@ SERVERS: Dict[str, tuple] = {
     # marked (on): no drift between servers lands on the ratio (see run_rounds)
     "alt-pre3": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
     "alt-three": ("2,3,5", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
+    # the rate sweep of --shape k25 in one server each: 2 and 7 states a token beside alt-three's 4 and alt-pre3's 5
+    "alt-one": ("3", False, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
+    "alt-pre5": ("1,2,3,4,5", True, {"HSCAP_CAPTURE_FRACTION": "0"}, "shm", "alt"),
     "alt-pre3-t6": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "6"}, "shm", "alt"),
     "alt-pre3-raw": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_CODEC": "raw"}, "shm", "alt"),
     "alt-pre3-t4": ("2,3,5", True, {"HSCAP_CAPTURE_FRACTION": "0", "HSCAP_WRITER_THREADS": "4"}, "shm", "alt"),
