@@ -231,6 +231,37 @@ def test_a_capture_judged_before_its_source_in_one_line_is_whole_at_that_line(tm
     assert f.held()["waiting"] == 0
 
 
+def test_a_source_made_whole_does_not_let_go_a_capture_its_line_makes_whole_too(tmp_path):
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1", lends=True)
+    f = Follower([dump], {"a": 64, "w": 40, "r": 15, "x": 1, "y": 1})
+    run.line(1, [("a", 0, 32)])
+    run.line(2, [("w", 32, 8, "a", "ab" * 16)])
+    run.line(3, [("x", 0, 1)])
+    run.line(5, [("r", 10, 5)])
+    run.line(6, [("y", 0, 1)])
+    f.poll()
+    run.line(4, [("a", 32, 32), ("r", 0, 10)])  # late (another writer thread): makes a, then w, and r whole
+    assert sorted(names(f.poll())) == ["a", "r", "w"]
+
+
+def test_at_the_close_nothing_waits_on_a_source_not_whole_or_in_a_circle(tmp_path):
+    for seqs in ([("s", 0, 32)], [("a", 10, 10, "b", "ab" * 16), ("b", 10, 10, "a", "ab" * 16)]):
+        dump = str(tmp_path / f"dump{len(seqs)}")
+        run = Run(dump, "run-1", lends=True)
+        f = Follower([dump], {"s": 128, "b": 42, "a": 20})
+        run.line(0, seqs)
+        if len(seqs) == 1:  # b borrows s's first chunk; s never finishes
+            run.line(1, [("s", 32, 32), ("b", 32, 10, "s", "ab" * 16)])
+        f.poll()
+        run.meta("closed")
+        assert f.close_check()
+        assert f.poll() == []
+        held = f.held()
+        assert held["captures"] == held["waiting"] == held["by_last"] == held["sources"] == 0, held
+        assert all("ended short of whole" in why for why in f.pending.values()), f.pending
+
+
 # ------------------------------------------------------------------ a long run, in bounded memory
 
 

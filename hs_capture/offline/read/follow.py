@@ -364,7 +364,7 @@ class Follower:
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
 
     def _judge(self, st: _Rank, rids: Iterable[str], at: int, closing: bool = False,
-               touched: Set[str] = frozenset()) -> List[Whole]:
+               touched: Set[str] = frozenset(), nested: bool = False) -> List[Whole]:
         """touched: those with a new piece (the others were judged with the pieces they have).
         closing: the rank's close, judged once its last line is read (never on a line, so that
         a restarted follower finds every whole at the same position)."""
@@ -396,10 +396,11 @@ class Follower:
                     if self.progress is None or not self.progress.covers(w):
                         out.append(w)
                 if waiters:  # judged before their source was whole: joined now, at this line
-                    out += self._judge(st, waiters, at, closing, touched=set(waiters))
+                    out += self._judge(st, waiters, at, closing, touched=set(waiters), nested=True)
             elif ended:
                 self._ended_short(st, rid, cap)
-        self._let_go(st, closing)
+        if not nested:  # once the line's every capture is judged: one may still be made whole by it
+            self._let_go(st, closing)
         return out
 
     @staticmethod
@@ -429,9 +430,10 @@ class Follower:
         """Let go of the captures that ended short of whole once every step around them is read
         (lines come out of step order: one of its chunks may still be on its way)."""
         while True:
-            for source in [x for x in st.waiting if x not in st.captures]:  # let go short of whole
+            # the source was let go short of whole; at the close, every capture was judged for the last time
+            for source in [x for x in st.waiting if closing or x not in st.captures]:
                 st.short |= {rid for rid in st.waiting.pop(source)
-                             if rid in st.captures and st.captures[rid].last + 1 in st.steps}
+                             if rid in st.captures and (closing or st.captures[rid].last + 1 in st.steps)}
             gone = False
             for rid in list(st.short):
                 cap = st.captures.get(rid)
@@ -471,6 +473,7 @@ class Follower:
             if st.closed and not st.over:  # the close check saw it; this read took its last lines
                 out += self._judge(st, sorted(st.captures), st.lines, closing=True)
                 st.over = True
+                st.wholes.clear()  # a rank's captures borrow only from its own
         return out
 
     def close_check(self) -> bool:
