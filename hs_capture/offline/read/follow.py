@@ -15,9 +15,10 @@ stopped mid-request) is let go: a later capture can still make the request whole
 
 A capture whose first positions came from the radix cache (HSCAP_REUSE_CAPTURED) names the
 request whose capture holds them; that request was captured by the same scheduler, so its
-pieces are on the same rank, earlier. Such a rank keeps its latest SOURCES_KEPT wholes to join
-such a prefix from (planning.joined_prefix, as merge does); a capture whose source is still
-open is judged again when its source is whole, and is let go with its source.
+pieces are on the same rank, earlier. The prefix is joined (planning.joined_prefix, as merge
+does) from the source's open capture where that is whole as far as it lent, else from the
+source's whole: such a rank keeps its latest SOURCES_KEPT. A capture whose source is still open
+is judged again when its source gets a piece, and is let go with its source.
 Without a dataset, a request a dropped step touched is never whole here (merge would keep its
 captured prefix; a live reader must never hand out part of a sample). Each request is named
 once: the first time it is whole.
@@ -390,27 +391,40 @@ class Follower:
                     st.wholes[rid] = (chain, borrows)
                     if len(st.wholes) > SOURCES_KEPT:
                         st.wholes.popitem(last=False)
-                waiters = sorted(st.waiting.pop(rid, ()))
                 if not (length is None and chain[0].step == 0 and generated_by_sglang(rid)):  # SGLang's startup warmup
                     w = Whole(rid, chain, (st.run_id, st.tag, at), borrows)
                     if self.progress is None or not self.progress.covers(w):
                         out.append(w)
-                if waiters:  # judged before their source was whole: joined now, at this line
-                    out += self._judge(st, waiters, at, closing, touched=set(waiters), nested=True)
             elif ended:
                 self._ended_short(st, rid, cap)
+            waiters = st.waiting.get(rid)
+            # what borrows from it may be whole now, at this line (once a line: a circle never ends)
+            if waiters and (j.whole or (rid in touched and not nested)):
+                again = sorted(waiters)
+                out += self._judge(st, again, at, closing, touched=set(again), nested=True)
+                left = {x for x in again if x in st.captures}
+                if j.whole or not left:
+                    st.waiting.pop(rid, None)
+                else:
+                    st.waiting[rid] = left
         if not nested:  # once the line's every capture is judged: one may still be made whole by it
             self._let_go(st, closing)
         return out
 
-    @staticmethod
-    def _chain(st: _Rank, cap: _Capture, length: Optional[int]) -> Judgement:
-        """The capture's pieces, and each prefix one of them borrowed joined from its source's
-        whole on this rank, judged by the one completeness rule."""
+    @classmethod
+    def _chain(cls, st: _Rank, cap: _Capture, length: Optional[int], seen: frozenset = frozenset()) -> Judgement:
+        """The capture's pieces, and each prefix one of them borrowed joined from its source on
+        this rank (its whole, or its open capture where that is whole as far as it lent, as
+        merge judges a source), judged by the one completeness rule."""
         pieces = [cap.pieces[k] for k in sorted(cap.pieces)]
         spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in pieces]
         for p in pieces:
-            source = st.wholes.get(p.src) if p.src is not None and p.prefix > 0 else None
+            if p.src is None or p.prefix <= 0:
+                continue
+            source = st.wholes.get(p.src)
+            if source is None and p.src in st.captures and p.src not in seen:  # a circle is never whole
+                j = cls._chain(st, st.captures[p.src], p.prefix, seen | {p.src})
+                source = unjoined(j.chain) if j.whole else None
             if source is not None and sum(c.length for c in source[0]) >= p.prefix:
                 spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), joined_prefix(p, *source)))
         return whole_chain(spans, length)
