@@ -261,6 +261,46 @@ def test_at_the_close_nothing_waits_on_a_source_not_whole_or_in_a_circle(tmp_pat
         assert all("ended short of whole" in why for why in f.pending.values()), f.pending
 
 
+def test_a_source_whose_line_comes_after_what_borrowed_from_it_is_joined(tmp_path):
+    for lengths in ({"s": 10, "b": 15, "x": 1}, None):
+        dump = str(tmp_path / f"dump{lengths is None}")
+        run = Run(dump, "run-1", lends=True)
+        f = Follower([dump], lengths)
+        run.line(1, [("b", 10, 5, "s", "ab" * 16)])
+        run.line(2, [("x", 0, 1)])
+        got = f.poll()
+        assert "waits for request 's'" in f.pending["b"]
+        run.line(0, [("s", 0, 10)])  # written last (another writer thread)
+        got += f.poll()
+        run.meta("closed")
+        f.close_check()
+        got += f.poll()
+        assert sorted(names(got)) == ["b", "s", "x"], f.pending
+        assert pieces_of(next(w for w in got if w.rid == "b")) == [(0, 0, 10), (1, 10, 5)]
+
+
+@pytest.mark.parametrize("order", ["in order", "windows of 4 reversed", "windows of 64 reversed"])
+def test_a_conversation_of_1500_turns_each_borrowing_the_last_is_followed_whatever_the_line_order(tmp_path, order):
+    n = 1500
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1", lends=True)
+    steps = [[(f"t{k:04d}", 10 * k, 10) + ((f"t{k - 1:04d}", "ab" * 16) if k else ())] for k in range(n)]
+    idx = list(range(n))
+    if order != "in order":  # writer threads commit out of step order
+        w = int(order.split()[2])
+        idx = [i for k in range(0, n, w) for i in reversed(idx[k:k + w])]
+    with open(index_path(run.dir, TAG), "w") as fh:
+        fh.write("".join(index_text(i, steps[i]) for i in idx))
+    for lengths in ({f"t{k:04d}": 10 * (k + 1) for k in range(n)}, None):
+        f = Follower([dump], lengths)
+        got = f.poll()
+        f.close_check() if lengths else None
+        assert len(got) == n - (lengths is None), (order, len(got))  # the last needs the close without a dataset
+        last = next(w for w in got if w.rid == "t1498")
+        assert len(last.borrows) == 1498 and [p.step for p in last.pieces] == list(range(1499))
+        assert f.held()["waiting"] == 0
+
+
 # ------------------------------------------------------------------ a long run, in bounded memory
 
 

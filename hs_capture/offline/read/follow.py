@@ -17,8 +17,9 @@ A capture whose first positions came from the radix cache (HSCAP_REUSE_CAPTURED)
 request whose capture holds them; that request was captured by the same scheduler, so its
 pieces are on the same rank, earlier. The prefix is joined (planning.joined_prefix, as merge
 does) from the source's open capture where that is whole as far as it lent, else from the
-source's whole: such a rank keeps its latest SOURCES_KEPT. A capture whose source is still open
-is judged again when its source gets a piece, and is let go with its source.
+source's whole: such a rank keeps its latest SOURCES_KEPT. A capture whose source is still open,
+or whose source's lines may still come (LATE_STEPS), is judged again when its source gets a
+piece, and is let go with its source.
 Without a dataset, a request a dropped step touched is never whole here (merge would keep its
 captured prefix; a live reader must never hand out part of a sample). Each request is named
 once: the first time it is whole.
@@ -40,7 +41,7 @@ import bisect
 import hashlib
 import json
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
@@ -59,6 +60,9 @@ GIVEN_UP_KEPT = 1024  # the most recent captures let go, kept to say why (Follow
 # wholes a rank keeps to join the prefixes later captures borrow from them: a source is lent
 # by the server for as long as its prefix stays in its index, most often to the next few turns
 SOURCES_KEPT = 1 << 14
+# a source's pieces come in steps before the first piece of what borrows from it; a line may be
+# read up to this many steps late (writer threads commit out of step order)
+LATE_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,18 @@ class _Rank:
                 del self.by_last[step]
 
 
+def _borrows(cap: _Capture) -> bool:
+    return any(p.src is not None and p.prefix > 0 for p in cap.pieces.values())
+
+
+def _source_may_come(st: _Rank, cap: _Capture) -> bool:
+    """Some step within LATE_STEPS before the capture's first piece is not read yet: the
+    lines of a source it borrowed from may still come."""
+    first = min(cap.pieces)
+    lo = max(first - LATE_STEPS, 0)  # a rank's steps count from 0
+    return lo < first and not st.steps.spans(lo, first - 1)
+
+
 class Follower:
     """The live view of one or more dump dirs (which need not exist yet)."""
 
@@ -365,65 +381,77 @@ class Follower:
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
 
     def _judge(self, st: _Rank, rids: Iterable[str], at: int, closing: bool = False,
-               touched: Set[str] = frozenset(), nested: bool = False) -> List[Whole]:
+               touched: Set[str] = frozenset()) -> List[Whole]:
         """touched: those with a new piece (the others were judged with the pieces they have).
         closing: the rank's close, judged once its last line is read (never on a line, so that
-        a restarted follower finds every whole at the same position)."""
+        a restarted follower finds every whole at the same position). What borrows from a
+        capture judged here is judged again after it, at this line (a worklist: a conversation
+        of many turns, each waiting on the one before, never recurses)."""
         out = []
-        for rid in rids:
+        todo, touched, queued = deque(rids), set(touched), set()
+        while todo:
+            rid = todo.popleft()
             cap = st.captures.get(rid)
             if cap is None:
                 continue
-            ended = closing or cap.last + 1 in st.steps
-            length = self._todo[rid] if self._todo is not None else None
-            if length is None and not ended:
-                continue  # without a dataset, whole only once over
-            if length is not None and rid not in touched:
-                if ended:  # no new piece: not whole
-                    self._ended_short(st, rid, cap)
-                continue
-            j = self._chain(st, cap, length)
-            if j.whole:
-                chain, borrows = unjoined(j.chain)
-                self._settle(rid)
-                self._given_up.pop(rid, None)  # an earlier capture's fate no longer matters
-                if st.lends:
-                    st.wholes[rid] = (chain, borrows)
-                    if len(st.wholes) > SOURCES_KEPT:
-                        st.wholes.popitem(last=False)
-                if not (length is None and chain[0].step == 0 and generated_by_sglang(rid)):  # SGLang's startup warmup
-                    w = Whole(rid, chain, (st.run_id, st.tag, at), borrows)
-                    if self.progress is None or not self.progress.covers(w):
-                        out.append(w)
-            elif ended:
-                self._ended_short(st, rid, cap)
+            whole = self._judge_one(st, rid, cap, at, closing, touched, out)
             waiters = st.waiting.get(rid)
-            # what borrows from it may be whole now, at this line (once a line: a circle never ends)
-            if waiters and (j.whole or (rid in touched and not nested)):
-                again = sorted(waiters)
-                out += self._judge(st, again, at, closing, touched=set(again), nested=True)
-                left = {x for x in again if x in st.captures}
-                if j.whole or not left:
+            # what borrows from it may be whole now (once a line unless it is whole: a circle ends)
+            if waiters and (whole or (rid in touched and rid not in queued)):
+                queued.add(rid)
+                again = sorted(x for x in waiters if x in st.captures)
+                if whole or not again:
                     st.waiting.pop(rid, None)
                 else:
-                    st.waiting[rid] = left
-        if not nested:  # once the line's every capture is judged: one may still be made whole by it
-            self._let_go(st, closing)
+                    st.waiting[rid] = set(again)
+                touched.update(again)
+                todo.extend(again)
+        self._let_go(st, closing)  # once the line's every capture is judged: one may still be made whole by it
         return out
 
+    def _judge_one(self, st: _Rank, rid: str, cap: _Capture, at: int, closing: bool, touched: Set[str],
+                   out: List[Whole]) -> bool:
+        """Judge one capture; a whole goes to `out`. Whether it is whole."""
+        ended = closing or cap.last + 1 in st.steps
+        length = self._todo[rid] if self._todo is not None else None
+        if length is None and not ended:
+            return False  # without a dataset, whole only once over
+        if length is not None and rid not in touched and not (ended and _borrows(cap)):
+            if ended:  # no new piece (nor a source since): not whole
+                self._ended_short(st, rid, cap)
+            return False
+        j = self._chain(st, cap, length)
+        if not j.whole:
+            if ended:
+                self._ended_short(st, rid, cap)
+            return False
+        chain, borrows = unjoined(j.chain)
+        self._settle(rid)
+        self._given_up.pop(rid, None)  # an earlier capture's fate no longer matters
+        if st.lends:
+            st.wholes[rid] = (chain, borrows)
+            if len(st.wholes) > SOURCES_KEPT:
+                st.wholes.popitem(last=False)
+        if not (length is None and chain[0].step == 0 and generated_by_sglang(rid)):  # SGLang's startup warmup
+            w = Whole(rid, chain, (st.run_id, st.tag, at), borrows)
+            if self.progress is None or not self.progress.covers(w):
+                out.append(w)
+        return True
+
     @classmethod
-    def _chain(cls, st: _Rank, cap: _Capture, length: Optional[int], seen: frozenset = frozenset()) -> Judgement:
+    def _chain(cls, st: _Rank, cap: _Capture, length: Optional[int], open_sources: bool = True) -> Judgement:
         """The capture's pieces, and each prefix one of them borrowed joined from its source on
         this rank (its whole, or its open capture where that is whole as far as it lent, as
-        merge judges a source), judged by the one completeness rule."""
+        merge judges a source, one level deep: a source waiting in turn is joined once whole),
+        judged by the one completeness rule."""
         pieces = [cap.pieces[k] for k in sorted(cap.pieces)]
         spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in pieces]
         for p in pieces:
             if p.src is None or p.prefix <= 0:
                 continue
             source = st.wholes.get(p.src)
-            if source is None and p.src in st.captures and p.src not in seen:  # a circle is never whole
-                j = cls._chain(st, st.captures[p.src], p.prefix, seen | {p.src})
+            if source is None and open_sources and p.src in st.captures:
+                j = cls._chain(st, st.captures[p.src], p.prefix, open_sources=False)
                 source = unjoined(j.chain) if j.whole else None
             if source is not None and sum(c.length for c in source[0]) >= p.prefix:
                 spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), joined_prefix(p, *source)))
@@ -431,10 +459,12 @@ class Follower:
 
     @staticmethod
     def _ended_short(st: _Rank, rid: str, cap: _Capture) -> None:
-        """A capture ended and is not whole: it waits for the request whose capture, still open
-        on this rank, holds a prefix it borrowed; else it is let go once its steps are read."""
+        """A capture ended and is not whole: it waits for the request whose capture holds a
+        prefix it borrowed, while that capture is open on this rank or its lines may still
+        come; else it is let go once its steps are read."""
+        late = _source_may_come(st, cap)
         source = next((p.src for p in cap.pieces.values() if p.src is not None and p.prefix > 0
-                       and p.src not in st.wholes and p.src in st.captures), None)
+                       and p.src not in st.wholes and (late or p.src in st.captures)), None)
         if source is None:
             st.short.add(rid)
         else:
@@ -444,10 +474,20 @@ class Follower:
         """Let go of the captures that ended short of whole once every step around them is read
         (lines come out of step order: one of its chunks may still be on its way)."""
         while True:
-            # the source was let go short of whole; at the close, every capture was judged for the last time
+            # the source was let go short of whole, or is not read yet; at the close, every
+            # capture was judged for the last time
             for source in [x for x in st.waiting if closing or x not in st.captures]:
-                st.short |= {rid for rid in st.waiting.pop(source)
-                             if rid in st.captures and (closing or st.captures[rid].last + 1 in st.steps)}
+                keep = set()
+                for rid in st.waiting.pop(source):
+                    cap = st.captures.get(rid)
+                    if cap is None:
+                        continue
+                    if not closing and _source_may_come(st, cap):
+                        keep.add(rid)
+                    elif closing or cap.last + 1 in st.steps:
+                        st.short.add(rid)  # else judged again when it ends
+                if keep:
+                    st.waiting[source] = keep
             gone = False
             for rid in list(st.short):
                 cap = st.captures.get(rid)
