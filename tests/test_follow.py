@@ -12,7 +12,7 @@ import pytest
 
 from hs_capture.dump.paths import FINAL, index_path, rank_meta_path, step_parts
 from hs_capture.dump.schema import FileRef, RankMeta, SeqEntry, step_line
-from hs_capture.offline.read.follow import GIVEN_UP_KEPT, Follower, Progress
+from hs_capture.offline.read.follow import GIVEN_UP_KEPT, LATE_STEPS, Follower, Progress
 from hs_capture.offline.read.planning import Captured
 
 TAG = "dp0-tp0-pp0"
@@ -299,6 +299,25 @@ def test_a_conversation_of_1500_turns_each_borrowing_the_last_is_followed_whatev
         last = next(w for w in got if w.rid == "t1498")
         assert len(last.borrows) == 1498 and [p.step for p in last.pieces] == list(range(1499))
         assert f.held()["waiting"] == 0
+
+
+def test_a_step_never_indexed_holds_what_borrows_near_it_for_a_bounded_number_of_steps(tmp_path):
+    """A step whose write failed has no index line: a capture borrowing near it waits only
+    until LATE_STEPS later steps are read, so what borrows from it in turn does not pile up."""
+    dump = str(tmp_path / "dump")
+    run = Run(dump, "run-1", lends=True)
+    lines = [index_text(0, [("s", 0, 10)])] + [index_text(st, [(f"y{st}", 0, 1)]) for st in range(2, 12)]
+    lines.append(index_text(12, [("r", 10, 10, "gone", "ab" * 16)]))  # step 1 never indexed; r is never whole
+    lines += [index_text(13 + k, [(f"b{k}", 20, 10, "r", "ab" * 16)]) for k in range(2000)]
+    f = Follower([dump])
+    waiting = []
+    for j in range(0, len(lines), 50):
+        with open(index_path(run.dir, TAG), "a") as fh:
+            fh.write("".join(lines[j:j + 50]))
+        f.poll()
+        waiting.append(f.held()["waiting"])
+    assert max(waiting) <= LATE_STEPS + 50 and waiting[-1] == 0, waiting
+    assert "ended short of whole" in f.pending["b1000"]
 
 
 # ------------------------------------------------------------------ a long run, in bounded memory

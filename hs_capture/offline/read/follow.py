@@ -233,10 +233,13 @@ def _borrows(cap: _Capture) -> bool:
 
 
 def _source_may_come(st: _Rank, cap: _Capture) -> bool:
-    """Some step within LATE_STEPS before the capture's first piece is not read yet: the
-    lines of a source it borrowed from may still come."""
+    """Some step within LATE_STEPS before the capture's first piece is not read yet, and none
+    LATE_STEPS after it is (a step whose write failed is never read): the lines of a source it
+    borrowed from may still come."""
     first = min(cap.pieces)
     lo = max(first - LATE_STEPS, 0)  # a rank's steps count from 0
+    if st.steps.runs and st.steps.runs[-1][1] > first + LATE_STEPS:
+        return False
     return lo < first and not st.steps.spans(lo, first - 1)
 
 
