@@ -20,6 +20,7 @@ does) from the source's open capture where that is whole as far as it lent, else
 source's whole: such a rank keeps its latest SOURCES_KEPT. A capture whose source is still open,
 or whose source's lines may still come (LATE_STEPS), is judged again when its source gets a
 piece, and is let go with its source.
+
 Without a dataset, a request a dropped step touched is never whole here (merge would keep its
 captured prefix; a live reader must never hand out part of a sample). Each request is named
 once: the first time it is whole.
@@ -205,7 +206,7 @@ class _Rank:
     over: bool = False  # ... and what the close ends has been judged
     # rid -> (pieces, joins) of its latest SOURCES_KEPT wholes here: what later captures borrow from
     wholes: "OrderedDict[str, Tuple[List[Piece], List[Borrow]]]" = field(default_factory=OrderedDict)
-    waiting: Dict[str, Set[str]] = field(default_factory=dict)  # open source rid -> captures borrowing from it
+    waiting: Dict[str, Set[str]] = field(default_factory=dict)  # source rid (not whole here yet) -> captures borrowing from it
 
     def add(self, rid: str, piece: Piece) -> None:
         cap = self.captures.setdefault(rid, _Capture())
@@ -379,7 +380,7 @@ class Follower:
             st.add(s.rid, Piece.of(key[0], st.tag, line, s, files))
             touched.append(s.rid)
             if st.lends and s.src is not None and s.prefix > 0 and s.src not in st.wholes:
-                st.waiting.setdefault(s.src, set()).add(s.rid)  # judged again once its source is whole
+                st.waiting.setdefault(s.src, set()).add(s.rid)  # judged again when its source gets a piece
         ended = st.by_last.get(line.step - 1, ())  # this step does not continue them
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
 
