@@ -230,7 +230,7 @@ class _Rank:
 
 
 def _borrows(cap: _Capture) -> bool:
-    return any(p.src is not None and p.prefix > 0 for p in cap.pieces.values())
+    return any(p.lender is not None for p in cap.pieces.values())
 
 
 def _source_may_come(st: _Rank, cap: _Capture) -> bool:
@@ -377,10 +377,11 @@ class Follower:
                        else f"step {line.step} of {st.tag} lacks {', '.join(lacking)}")
                 self._give_up(st, s.rid, why, for_good=self._todo is None)
                 continue
-            st.add(s.rid, Piece.of(key[0], st.tag, line, s, files))
+            piece = Piece.of(key[0], st.tag, line, s, files)
+            st.add(s.rid, piece)
             touched.append(s.rid)
-            if st.lends and s.src is not None and s.prefix > 0 and s.src not in st.wholes:
-                st.waiting.setdefault(s.src, set()).add(s.rid)  # judged again when its source gets a piece
+            if st.lends and piece.lender is not None and piece.lender not in st.wholes:
+                st.waiting.setdefault(piece.lender, set()).add(s.rid)  # judged again when its source gets a piece
         ended = st.by_last.get(line.step - 1, ())  # this step does not continue them
         return self._judge(st, sorted(set(touched).union(ended)), at, touched=set(touched))
 
@@ -451,11 +452,11 @@ class Follower:
         pieces = [cap.pieces[k] for k in sorted(cap.pieces)]
         spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in pieces]
         for p in pieces:
-            if p.src is None or p.prefix <= 0:
+            if p.lender is None:
                 continue
-            source = st.wholes.get(p.src)
-            if source is None and open_sources and p.src in st.captures:
-                j = cls._chain(st, st.captures[p.src], p.prefix, open_sources=False)
+            source = st.wholes.get(p.lender)
+            if source is None and open_sources and p.lender in st.captures:
+                j = cls._chain(st, st.captures[p.lender], p.prefix, open_sources=False)
                 source = unjoined(j.chain) if j.whole else None
             if source is not None and sum(c.length for c in source[0]) >= p.prefix:
                 spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), joined_prefix(p, *source)))
@@ -467,8 +468,8 @@ class Follower:
         prefix it borrowed, while that capture is open on this rank or its lines may still
         come; else it is let go once its steps are read."""
         late = _source_may_come(st, cap)
-        source = next((p.src for p in cap.pieces.values() if p.src is not None and p.prefix > 0
-                       and p.src not in st.wholes and (late or p.src in st.captures)), None)
+        source = next((p.lender for p in cap.pieces.values() if p.lender is not None
+                       and p.lender not in st.wholes and (late or p.lender in st.captures)), None)
         if source is None:
             st.short.add(rid)
         else:
@@ -500,8 +501,8 @@ class Follower:
                 elif closing or st.steps.spans(max(min(cap.pieces) - 1, 0), cap.last + 1):
                     st.short.discard(rid)
                     why = self._chain(st, cap, self._todo[rid] if self._todo is not None else None).reason
-                    joined = next((p for p in cap.pieces.values() if p.src is not None and p.prefix > 0
-                                   and p.src not in st.wholes), None)
+                    joined = next((p for p in cap.pieces.values() if p.lender is not None
+                                   and p.lender not in st.wholes), None)
                     if joined is not None:  # HSCAP_REUSE_CAPTURED: its prefix is in another request's capture
                         why = (f"positions 0-{joined.prefix} are joined from request {joined.src!r}'s capture, "
                                f"which is not whole on {st.tag} (or was whole more than {SOURCES_KEPT} samples "

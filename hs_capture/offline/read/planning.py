@@ -45,6 +45,11 @@ class Piece:
     src: Optional[str] = None  # the request whose capture holds positions [0, prefix) (a borrowed prefix)
     src_hash: Optional[str] = None  # the digest of this request's tokens there
 
+    @property
+    def lender(self) -> Optional[str]:
+        """The request whose capture holds this piece's positions [0, prefix), where it borrowed them."""
+        return self.src if self.src is not None and self.prefix > 0 else None
+
     @classmethod
     def of(cls, run: int, rank: str, line: IndexLine, seq: SeqEntry, files: Tuple[Tuple[str, str], ...]) -> "Piece":
         """One sequence entry of a written index line as a piece."""
@@ -206,7 +211,7 @@ class Captured:
         spans = [Span(p.prefix, p.prefix + p.length, (p.run, p.step, p.rank), p) for p in usable]
         borrowed_why = None
         for p in usable:
-            if p.src is not None and p.prefix > 0:
+            if p.lender is not None:
                 got, why = self._borrowed(p)
                 if got is not None:
                     spans.append(Span(0, p.prefix, (p.run, p.step, p.rank), got))
@@ -235,7 +240,7 @@ class Captured:
         if self._filled:
             return
         self._filled = True
-        borrowing = [p for pieces in self.pieces.values() for p in pieces.values() if p.src is not None and p.prefix > 0]
+        borrowing = [p for pieces in self.pieces.values() for p in pieces.values() if p.lender is not None]
         for p in sorted(borrowing, key=lambda p: (p.run, p.step, p.rank)):
             self._borrowed(p)
 
