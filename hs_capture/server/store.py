@@ -163,10 +163,12 @@ class ShardStore:
 
 
 class StoreWorkers:
-    """The threads that write queued steps. A writer that falls behind (steps waiting for a
-    thread hold over a quarter of the in-flight budget) writes steps raw until it catches up
-    (on_backlog=raw): the waiting steps would fill the budget before a compressing thread
-    came back."""
+    """The threads that write queued steps. A writer that falls behind writes steps raw until
+    it catches up (on_backlog=raw): behind is steps waiting for a thread holding over a quarter
+    of the in-flight budget (they would fill it before a compressing thread came back), or the
+    steps not yet written, those being compressed included, holding over three quarters of it:
+    the budget HSCAP_MAX_INFLIGHT_MB=0 (auto) sets holds every thread's full-size step and four more,
+    so at full-size steps (Kimi-K2.5's widths) no more than a quarter ever waits."""
 
     def __init__(self, store: ShardStore, threads: int, budget_bytes: int,
                  clock: Optional[Callable[[], None]] = None) -> None:
@@ -177,6 +179,7 @@ class StoreWorkers:
         self._limit = budget_bytes
         self._queue: "queue.Queue[Optional[WriteJob]]" = queue.Queue()
         self._waiting = 0
+        self._unwritten = 0  # put and not yet written: waiting or being written
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
                          for i in range(threads)]
@@ -188,12 +191,18 @@ class StoreWorkers:
     def put(self, job: WriteJob) -> None:
         with self._lock:
             self._waiting += job.nbytes
+            self._unwritten += job.nbytes
         self._queue.put(job)
 
     def _picked(self, nbytes: int) -> bool:
+        """A thread took a step: is the writer behind?"""
         with self._lock:
             self._waiting -= nbytes
-            return self._waiting * 4 > self._limit
+            return self._waiting * 4 > self._limit or self._unwritten * 4 > self._limit * 3
+
+    def _written(self, nbytes: int) -> None:
+        with self._lock:
+            self._unwritten -= nbytes
 
     def _codec(self, behind: bool) -> str:
         cfg = self.store.cfg
@@ -209,6 +218,7 @@ class StoreWorkers:
             try:
                 self.store.write(job, self._codec(self._picked(job.nbytes)))
             finally:
+                self._written(job.nbytes)
                 job.done()
                 if self._clock is not None:
                     self._clock()

@@ -245,6 +245,8 @@ class ShardWriter:
         if rates["held_by_pinned_s"] > rates["held_by_budget_s"] and 2 * rates["pinned_in_flight"] <= rates["pinned_buffers"]:
             # held by the host buffers while most are free: the steps outgrow the buffers
             why = "the steps are larger than the buffers pinned ahead, and wait for the few big enough"
+        elif self.cfg.on_backlog == "raw" and n and n_raw == 0 and self.cfg.codec != "raw":
+            why = "compressing and writing are the limit (no step was yet far enough behind to be written raw)"
         elif self.cfg.on_backlog == "raw":
             why = "the disk is the limit"
         else:
