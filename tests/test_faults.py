@@ -119,7 +119,10 @@ def small_fs(tmpfs):
     return tmpfs("3m")
 
 
-@pytest.mark.parametrize("floor,reason", [("0", "disk full"), ("0.0015", "below HSCAP_MIN_FREE_GB")])
+@pytest.mark.parametrize("floor,reason", [("0", "disk full"), ("0.0015", "below HSCAP_MIN_FREE_GB"),
+                                          # in memory the floor is the host's available memory (the test's
+                                          # tmpfs is as small as the floor is large: either stops capture)
+                                          ("100000", "the dump dir is in memory (tmpfs) and the host's available memory")])
 def test_full_disk_stops_capture_loudly_and_the_server_keeps_serving(tiny_model, tmp_path, small_fs, floor, reason):
     rows = dataset(16, seed=2, lo=200, hi=400)  # ~20 MB of states: far more than 3 MB
     data = write_jsonl(tmp_path / "d.jsonl", rows)
@@ -136,6 +139,7 @@ def test_full_disk_stops_capture_loudly_and_the_server_keeps_serving(tiny_model,
     log = srv.log()
     assert "[HS_DUMP] ERROR: rank dp0-tp0-pp0: capture STOPPED at step" in log and reason in log
     assert log.count("capture STOPPED") == 1
+    assert "[HS_DUMP] rank dp0-tp0-pp0: the dump dir is in memory (tmpfs): capture stops when" in log
     (run,) = os.listdir(dump)
     meta = json.load(open(os.path.join(dump, run, "ranks", "dp0-tp0-pp0.json")))
     assert reason in meta["capture_stopped"]["reason"] and meta["capture_stopped"]["time"] > 0

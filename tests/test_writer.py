@@ -181,6 +181,75 @@ def test_below_the_free_space_floor_capture_stops(tmp_path):
     assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
 
 
+def test_the_mount_table_says_which_filesystem_a_path_is_on(tmp_path, monkeypatch):
+    from hs_capture.server import run_record
+
+    table = tmp_path / "mountinfo"
+    table.write_text("27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n"
+                     "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1k\n"
+                     "90 27 0:40 / /data/my\\040dumps rw - ramfs none rw\n"
+                     "91 25 0:41 / /dev/shm rw - xfs /dev/vdb rw\n")  # mounted over the tmpfs
+    monkeypatch.setattr(run_record, "MOUNTINFO", str(table))
+    assert run_record.filesystem_type("/data/my dumps/run-1") == "ramfs"
+    assert run_record.filesystem_type("/data/my") == "ext4"
+    assert run_record.filesystem_type("/dev/shm/hs") == "xfs"  # the mount on top
+    assert run_record.filesystem_type("/dev/shmx") == "ext4"
+    monkeypatch.setattr(run_record, "MOUNTINFO", str(tmp_path / "none"))
+    assert run_record.filesystem_type("/dev/shm") is None
+
+
+def _shm_dir(tmp_path):
+    from hs_capture.server.run_record import filesystem_type
+
+    if filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm on this host")
+    d = os.path.join("/dev/shm", f"hscap-test-{os.getpid()}-{tmp_path.name}")
+    os.makedirs(d)
+    return d
+
+
+@pytest.mark.parametrize("available_gb,stops", [(0.5, True), (None, False)])
+def test_a_dump_in_memory_stops_before_the_host_runs_out_of_memory(tmp_path, monkeypatch, caplog, available_gb, stops):
+    """A Kimi-K2.5-wide sweep on one H100 filled /dev/shm (as big as the host's memory) until the
+    kernel killed SGLang's scheduler: in memory, the host's available memory is the free space."""
+    import shutil
+
+    from hs_capture.server import run_record
+
+    dump = _shm_dir(tmp_path)
+    try:
+        if available_gb is not None:
+            meminfo = tmp_path / "meminfo"
+            meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {int(available_gb * 2**20)} kB\n")
+            monkeypatch.setattr(run_record, "MEMINFO", str(meminfo))
+        monkeypatch.setattr(run_record, "memory_floor", lambda min_free: 1 << 30)
+        w = make_writer(dump, writer_threads=1)
+        assert w.in_memory().startswith("the dump dir is in memory (tmpfs)")
+        w.submit(*step("a", 8), aux_layers=[1, 2])
+        assert w.close()
+        if stops:
+            assert w.stopped and "available memory 0.50 GB is below 1.00 GB" in w.stopped["reason"]
+            assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
+        else:  # this host's own MemAvailable, above 1 GiB
+            assert not w.stopped and [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+def test_a_dump_on_disk_is_not_held_to_the_memory_floor(tmp_path, monkeypatch):
+    from hs_capture.server import run_record
+
+    if run_record.filesystem_type(str(tmp_path)) in run_record.MEMORY_FILESYSTEMS:
+        pytest.skip("the test's temporary dir is in memory on this host")
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 1 kB\n")
+    monkeypatch.setattr(run_record, "MEMINFO", str(meminfo))
+    w = make_writer(tmp_path / "dump", writer_threads=1)
+    assert w.in_memory() is None
+    w.submit(*step("a", 8), aux_layers=[1, 2])
+    assert w.close() and not w.stopped
+
+
 class _Boom(Exception):
     pass
 

@@ -473,8 +473,11 @@ def run_server(name: str, a, work: str, data: str) -> dict:
         res["startup_s"] = round(srv.wait_healthy(), 1)
         res["writer_tuned"] = tune_writer(srv.proc.pid, extra_env.get("WRITER"))
         if load in ("alt", "split-alt", "chat-alt"):
+            # the dump of a server not verified is emptied between rounds: at K2.5's widths three
+            # rounds of states outgrow a /dev/shm as large as the host's memory
             res["rounds"] = run_rounds(srv, "chat-alt" if load == "chat-alt" else "alt", data, captured,
-                                       split=load == "split-alt")
+                                       split=load == "split-alt",
+                                       prune=None if name == a.verify else lambda: remove_step_files(dump))
             res["tokens_per_s"] = None
             res["alt"] = summarize_rounds(res["rounds"])
             on = [r["tokens_per_s"] for r in res["rounds"] if r["round"] == "on"]
@@ -542,10 +545,21 @@ def profile(srv, name: str, seconds: float):
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = False) -> List[dict]:
+def remove_step_files(dump: str) -> None:
+    """The step files written so far (index and metadata stay): what a round's states took."""
+    for root, _, names in os.walk(dump):
+        for n in names:
+            if n.endswith(".hst"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(root, n))
+
+
+def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = False,
+               prune=None) -> List[dict]:
     """The alternating sends of one hooked server that captures only marked requests: the same
     texts each round, unmarked (`off`: the hook runs, nothing is captured) or marked (`on`).
-    Each marked send's (rid tag, data part) is appended to `captured`."""
+    Each marked send's (rid tag, data part) is appended to `captured`; `prune`, where given, is
+    called after each marked round has drained."""
     rounds = []
     if load == "alt":
         send_texts(srv.url, os.path.join(data, "warm.jsonl"), "warm", 0.0)
@@ -554,6 +568,8 @@ def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = F
         for i, r in enumerate((SPLIT_ROUNDS if split else ALT_ROUNDS).split(",")):
             if i and rounds[-1]["round"].startswith("on"):
                 time.sleep(DRAIN_S)
+                if prune is not None:
+                    prune()
             how = r.partition("-")[2] if r.partition("-")[2] in MOVES else None
             tuned = tune_writer(srv.proc.pid, how) if how else None
             load_cmds = round_load(r)

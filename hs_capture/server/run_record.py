@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 from hs_capture.dump import files
@@ -14,6 +15,54 @@ from hs_capture.dump.paths import RankId, claim_path, index_path, rank_dirs, ran
 from hs_capture.dump.schema import IndexLine, RankMeta
 
 _RESERVE_BYTES = 256 << 10
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+MOUNTINFO = "/proc/self/mountinfo"
+MEMINFO = "/proc/meminfo"
+# A dump dir in memory: capture stops before the host's available memory falls below this share
+# of it, since past that the kernel's OOM killer takes the largest process, SGLang's scheduler.
+MEMORY_FLOOR_SHARE = 0.05
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the filesystem `path` is on (Linux's mount table; None where unknown)."""
+    real = os.path.realpath(path)
+    try:
+        with open(MOUNTINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):  # the longest; of equals, the last mounted (on top)
+            best, kind = mount, right.split()[0]
+    return kind
+
+
+def available_memory() -> Optional[int]:
+    """The host's MemAvailable in bytes (None where unknown)."""
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def memory_floor(min_free_bytes: int) -> int:
+    """The available memory below which capture into a dump dir in memory stops."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 0
+    return max(min_free_bytes, int(total * MEMORY_FLOOR_SHARE))
 
 
 class RunRecord:
@@ -22,6 +71,8 @@ class RunRecord:
         self.rank = rank
         self.run_dir = cfg.run_dir
         self._reserve: Optional[str] = None
+        fs = filesystem_type(cfg.dump_dir)
+        self.in_memory: Optional[str] = fs if fs in MEMORY_FILESYSTEMS else None  # the dump takes the host's memory
 
     def open(self) -> None:
         """Make the rank's dirs, claim the rank, hold space in reserve. ConfigError: claimed."""
@@ -54,7 +105,13 @@ class RunRecord:
             self._reserve = None
 
     def low_space(self) -> Optional[str]:
-        """Why the dump dir is below HSCAP_MIN_FREE_GB, or None."""
+        """Why the dump dir is below HSCAP_MIN_FREE_GB, or, in memory, the host's available
+        memory below memory_floor; or None."""
+        if self.in_memory:
+            avail, floor = available_memory(), memory_floor(self.cfg.min_free_bytes)
+            if avail is not None and avail < floor:
+                return (f"the dump dir is in memory ({self.in_memory}) and the host's available memory "
+                        f"{avail / 2**30:.2f} GB is below {floor / 2**30:.2f} GB")
         if self.cfg.min_free_bytes <= 0:
             return None
         try:

@@ -24,7 +24,7 @@ from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
 from hs_capture.server.forward_cost import SCHEDULER, AllocatorCounters, ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
-from hs_capture.server.run_record import RunRecord
+from hs_capture.server.run_record import RunRecord, memory_floor
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
 from hs_capture.server.step_files import INPUT_PARTS
 from hs_capture.server.store import ShardStore, StoreWorkers, WriteJob
@@ -104,6 +104,15 @@ class ShardWriter:
         self._disk_bound_said = False
         self._closed = False
         self._next_step = 0
+
+    def in_memory(self) -> Optional[str]:
+        """Where the dump dir is in memory (tmpfs): what the log says of the floor capture keeps."""
+        fs = self._record.in_memory
+        if not fs:
+            return None
+        floor = memory_floor(self.cfg.min_free_bytes)
+        return (f"the dump dir is in memory ({fs}): capture stops when the host's available memory falls "
+                f"below {floor / 2**30:.1f} GB")
 
     @property
     def pinned_pool(self):
