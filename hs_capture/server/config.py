@@ -42,9 +42,8 @@ class CaptureConfig:
     # step's copy and sends it ("thread"), or the forwards send the steps whose copies are done,
     # with no thread of ours waking per step ("forward"; a timer sends the last ones)
     handoff: str = "thread"
-    # when the steps waiting for a thread hold over a quarter of the in-flight budget, write raw
-    # (crc-checked, every byte kept) until they drain: cheaper than blocking the forward; "off"
-    # always compresses
+    # when the writer is behind (store.StoreWorkers says when), write raw (crc-checked, every
+    # byte kept) until it catches up: cheaper than blocking the forward; "off" always compresses
     on_backlog: str = "raw"
     fsync: bool = True
     prewarm_steps: int = 0  # 0: pin as many full steps as the in-flight budget holds
