@@ -8,9 +8,15 @@ Rounds: `off` (nothing marked: every request is judged for following, none is ca
 `cv5` (the first turn of 5% of the conversations marked, each followed turn by turn). Per
 request, as the picker does it in SGLang's scheduler thread: a marked request's prompt is
 digested and held (CapturedPrefixes.prompt, .add), any other is judged (.continuing) and, when
-it continues a captured prompt, held. Two indexes side by side on the same requests: the
-default, which takes the digests of a prefix a recent request shared from that request's walk,
-and one that digests every request from its first token (the alternative).
+it continues a captured prompt, held. Three indexes side by side on the same requests: the
+default, which first tests the one block of a request where it would part from a shared system
+prompt against the blocks captured prompts have there, then takes the digests of a prefix a
+recent request shared from that request's walk; the same without the one-block test; and one
+that digests every request from its first token (the alternatives).
+
+Then the index's memory once it holds as many captured prompts' ends as it keeps (MAX_ENDS,
+prompts of a system prompt and 60-900 tokens more, each after an uncaptured request of the same
+system prompt is judged), with the one-block test's records and without them (tracemalloc).
 
 usage: python benchmarks/capture_policy.py [--out FILE]
 """
@@ -90,6 +96,30 @@ def run_round(idx: CapturedPrefixes, convs, order, salt: int, fraction: float, t
             "scheduler_share_at_gpu_rate": round(us * GPU_REQUESTS_PER_S / 1e6, 4)}
 
 
+def index_memory(block_test: bool) -> Dict[str, int]:
+    """The index's memory, filled past the number of ends it keeps."""
+    import tracemalloc
+
+    from hs_capture.server.captured_prefixes import MAX_ENDS
+
+    rng = random.Random(1)
+    systems = [[rng.randrange(150_000) for _ in range(SYSTEM)] for _ in range(3)]
+    def prompt() -> List[int]:
+        return rng.choice(systems) + [rng.randrange(150_000) for _ in range(rng.randrange(60, 900))]
+
+    prompts = [(prompt(), prompt()) for _ in range(MAX_ENDS + 4096)]  # (uncaptured, captured)
+    tracemalloc.start()
+    idx = CapturedPrefixes()
+    if not block_test:
+        idx._record_end = lambda *a: None
+    for i, (other, p) in enumerate(prompts):
+        idx.continuing(other)
+        idx.add(idx.prompt(p), f"r{i}")
+    mb = tracemalloc.get_traced_memory()[0] / 1e6
+    tracemalloc.stop()
+    return {"ends": len(idx._ends), "mb": round(mb)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "capture_policy.cpu2.results.json"))
@@ -98,8 +128,10 @@ def main() -> None:
     order = arrival_order(len(convs))
     rounds = ["off", "cv5", "off", "cv5", "off", "cv5", "off"]
     res: Dict[str, list] = {}
-    for name in ("default", "full_walk"):
+    for name in ("default", "no_block_test", "full_walk"):
         idx = CapturedPrefixes()
+        if name != "default":
+            idx._differs = lambda *a: False  # every request judged in full
         if name == "full_walk":
             idx._remember = lambda *a: None  # no walk is remembered: every request digested from its start
         res[name] = [dict(round=r, **run_round(idx, convs, order, SALT_TOKEN + k, 0.05 if r == "cv5" else 0.0, f"r{k}"))
@@ -113,9 +145,12 @@ def main() -> None:
            "traffic": f"{CONVERSATIONS} conversations x {TURNS} turns, {SYSTEM}-token system prompts (3), "
                       f"{CONCURRENCY} in flight", "rounds": res, "mean_us_per_request": mean,
            "full_walk_over_default_cv5": round(mean["full_walk"]["cv5"] / mean["default"]["cv5"], 2),
+           "no_block_test_over_default_cv5": round(mean["no_block_test"]["cv5"] / mean["default"]["cv5"], 2),
            "note": "scheduler_share_at_gpu_rate: the share of one scheduler thread this would take at "
                    f"{GPU_REQUESTS_PER_S} requests/s, on this machine's core"}
-    print(json.dumps({k: out[k] for k in ("mean_us_per_request", "full_walk_over_default_cv5")}))
+    out["memory_at_bound"] = {"default": index_memory(True), "no_block_test": index_memory(False)}
+    print(json.dumps({k: out[k] for k in ("mean_us_per_request", "full_walk_over_default_cv5",
+                                          "no_block_test_over_default_cv5", "memory_at_bound")}))
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 

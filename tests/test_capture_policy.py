@@ -171,15 +171,41 @@ def test_two_pickers_fed_the_same_calls_cap_alike_however_often_they_are_asked()
     assert caps[0] == caps[1] and any(c for _, c in caps[0])
 
 
-def test_continuing_reuses_recent_walks_and_judges_as_a_full_walk_does():
-    """The digests a request shares with a recent request are taken from that request's walk;
-    whatever the order of prompts, namespaces and captures, the answer is a full walk's."""
+def test_a_captured_prompt_shorter_than_a_block_is_followed_and_one_block_tells_others_apart():
+    idx = CapturedPrefixes(block=8)
+    system = list(range(100, 132))  # 4 blocks every prompt shares
+    idx.add(idx.prompt([1, 2, 3]), "tiny")
+    assert idx.continuing([1, 2, 3, 4]) is not None  # shorter than a block, continuing one
+    assert idx.continuing([1, 2, 3] + list(range(40, 60))) is not None
+    assert idx.continuing([1, 2, 4, 5]) is None
+    assert idx.continuing([1, 2, 3], ("other", None)) is None  # another cache namespace
+    idx.add(idx.prompt(system + [7] * 12), "a")
+    for k in range(20):  # conversations that share the system prompt with "a", never its message
+        assert idx.continuing(system + [k, 9] * 10) is None
+    assert idx.continuing(system + [7] * 12 + [8]) is not None
+    idx.max_ends = 1
+    idx.add(idx.prompt(system + [6] * 12), "b")  # the other two ends are forgotten
+    assert idx.continuing([1, 2, 3, 4]) is None and idx.continuing(system + [7] * 12 + [8]) is None
+    assert idx.continuing(system + [6] * 12 + [8]) is not None
+    assert not idx._tiny and len(idx._heads) == 1 and len(idx._recorded) == 1
+
+
+@pytest.mark.parametrize("max_ends", [1 << 16, 7])
+def test_continuing_reuses_recent_walks_and_judges_as_a_full_walk_does(max_ends):
+    """The digests a request shares with a recent request are taken from that request's walk,
+    and most requests are told apart by one block; whatever the order of prompts, namespaces
+    and captures, and however many captured ends are forgotten, the answer is a full walk's."""
     import random
+    from collections import Counter
 
     rng = random.Random(3)
     systems = [[rng.randrange(500) for _ in range(n)] for n in (0, 5, 64, 300)]
-    fast, slow = CapturedPrefixes(block=8), CapturedPrefixes(block=8)
+    fast, slow = CapturedPrefixes(block=8, max_ends=max_ends), CapturedPrefixes(block=8, max_ends=max_ends)
     slow._remember = lambda *a: None  # never reuses a walk: every request hashed from its start
+    slow._differs = lambda *a: False  # nor told apart by one block
+    told = []
+    differs = fast._differs
+    fast._differs = lambda *a: told.append(differs(*a)) or told[-1]
     convs, followed = [], 0
     for i in range(60):
         conv = rng.choice(systems) + [rng.randrange(500) for _ in range(rng.randrange(1, 40))]
@@ -198,7 +224,17 @@ def test_continuing_reuses_recent_walks_and_judges_as_a_full_walk_does():
                 followed += 1
                 full = fast.prompt(r, ns2)
                 assert (got.data, got.chain, got.seed) == (full.data, full.chain, full.seed)
-    assert followed > 50 and fast._walks
+        # what the one-block test reads is exactly what the ends still held recorded
+        assert set(fast._recorded) == set(fast._ends)
+        recorded = [e for ends in fast._recorded.values() for e in ends]
+        assert fast._blocks == Counter(h for _, first, _, keys in recorded if first is not None for h in keys)
+        assert {h: dict(n.count) for h, n in fast._heads.items()} == {
+            h: dict(Counter(k for seed, first, k, _ in recorded if (seed, first) == h))
+            for h in {(seed, first) for seed, first, _, _ in recorded if first is not None}}
+        assert all(n.least == min(n.count) for n in fast._heads.values())
+        assert fast._tiny == Counter(seed for seed, first, _, _ in recorded if first is None)
+    assert followed > (50 if max_ends > 7 else 5) and fast._walks
+    assert sum(told) > 50  # told apart without a full walk
 
 
 def test_reuse_and_follow_asked_with_the_radix_cache_off_say_they_are_not_taken(monkeypatch, caplog, tmp_path):

@@ -16,7 +16,8 @@ batch changes the index, so every rank's index, and so its prefix matches, agree
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from array import array
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -31,6 +32,11 @@ MAX_ENDS = 1 << 16
 LENDS = 64
 MAX_OWNERS = 1 << 16
 WALKS = 16  # first blocks (system prompts, per namespace) whose latest walk a request may start from
+# `continuing`'s one-block test: a captured prompt's end records its blocks by position up to
+# SPARE blocks past where requests part from the recent walk (a system prompt's end), at most
+# POSITIONS
+SPARE = 2
+POSITIONS = 1024
 
 
 @dataclass
@@ -70,6 +76,14 @@ class CapturedPrefixes:
         # (namespace seed, the first block's token bytes) -> [its token bytes, their block digests,
         # how many of its blocks the latest request that started from it shared]
         self._walks: "OrderedDict[Tuple[bytes, bytes], list]" = OrderedDict()
+        # what `continuing` tests one block of a request against before it judges in full: of
+        # every captured prompt's end in _ends, its first whole blocks by position (hashes of
+        # (namespace seed, first block, position, block) -> how many ends have it), and per (seed,
+        # first block) how many blocks those ends recorded; ends shorter than a block per seed
+        self._blocks: Dict[int, int] = {}
+        self._heads: Dict[Tuple[bytes, bytes], _Reach] = {}
+        self._tiny: Counter = Counter()
+        self._recorded: Dict[bytes, list] = {}  # an _ends key -> what its ends added above
 
     def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
         data, seed = token_bytes(tokens), namespace_seed(namespace)
@@ -109,9 +123,49 @@ class CapturedPrefixes:
         tails = self._ends.setdefault(key, {})
         self._ends.move_to_end(key)
         tail = p.data[k * self.block * 8:]
-        tails.setdefault(len(tail) // 8, set()).add(digest(tail, key))
+        ends, d = tails.setdefault(len(tail) // 8, set()), digest(tail, key)
+        if d not in ends:
+            ends.add(d)
+            self._record_end(key, p)
         while len(self._ends) > self.max_ends:
-            self._ends.popitem(last=False)
+            self._forget_ends(self._ends.popitem(last=False)[0])
+
+    def _record_end(self, key: bytes, p: Prompt) -> None:
+        step, k = self.block * 8, len(p.chain)
+        if not k:
+            self._tiny[p.seed] += 1
+            self._recorded.setdefault(key, []).append((p.seed, None, 0, None))
+            return
+        first = p.data[:step]
+        walk = self._walks.get((p.seed, first))
+        reach = k
+        if walk is not None:  # past where requests part from the walk, or where this prompt does
+            wchain, m, d = walk[1], min(len(walk[1]), k), 0
+            while d < m and wchain[d] == p.chain[d]:
+                d += 1
+            reach = min(k, max(walk[2], d) + SPARE)
+        reach = min(reach, POSITIONS)
+        self._heads.setdefault((p.seed, first), _Reach()).add(reach)
+        keys = array("q", (hash((p.seed, first, j, p.data[j * step:(j + 1) * step])) for j in range(1, reach)))
+        for h in keys:
+            self._blocks[h] = self._blocks.get(h, 0) + 1
+        self._recorded.setdefault(key, []).append((p.seed, first, reach, keys))
+
+    def _forget_ends(self, key: bytes) -> None:
+        for seed, first, reach, keys in self._recorded.pop(key, ()):
+            if first is None:
+                self._tiny[seed] -= 1
+                if not self._tiny[seed]:
+                    del self._tiny[seed]
+                continue
+            for h in keys:
+                left = self._blocks[h] - 1
+                if left:
+                    self._blocks[h] = left
+                else:
+                    del self._blocks[h]
+            if self._heads[(seed, first)].remove(reach):
+                del self._heads[(seed, first)]
 
     def lend(self, owner: str) -> None:
         """A captured request was put in a batch with a prefix borrowed from `owner`'s blocks."""
@@ -134,6 +188,8 @@ class CapturedPrefixes:
         and the ids are converted only as far as they are looked at."""
         b, step, seed = self.block, self.block * 8, namespace_seed(namespace)
         ids = _TokenBytes(tokens)
+        if self._differs(ids, seed):
+            return None
         n, whole = len(tokens), len(tokens) // b
         chain = self._walked(ids, seed)
         known, k = len(chain), 0
@@ -158,6 +214,30 @@ class CapturedPrefixes:
             return None
         data = ids.upto(n)
         return Prompt(data, chain + block_chain(data[len(chain) * step:], b, chain[-1] if chain else seed), seed)
+
+    def _differs(self, ids: "_TokenBytes", seed: bytes) -> bool:
+        """True where one block of the request shows that it continues no captured prompt (then
+        `continuing` would find none either); False: judge it in full. The block tested is the
+        one where the request before parted from the recent walk (past a shared system prompt),
+        within the blocks every captured prompt's end that starts as this request does recorded
+        (each records up to its own end at most): a prompt the request continued would have
+        that very block at that position."""
+        b = self.block
+        whole = len(ids.tokens) // b
+        if self._tiny.get(seed):  # a captured prompt shorter than a block: judged in full
+            return False
+        if not whole:
+            return True
+        first = ids.upto(b)[:b * 8]
+        reach = self._heads.get((seed, first))
+        if reach is None:  # no captured prompt ends that starts with this block
+            return True
+        walk = self._walks.get((seed, first))
+        j = min(walk[2] if walk is not None else 1, reach.least - 1, whole - 1)
+        if j < 1:
+            return False
+        block = token_bytes(ids.tokens[j * b:(j + 1) * b])
+        return hash((seed, first, j, block)) not in self._blocks
 
     def _walked(self, ids: "_TokenBytes", seed: bytes) -> List[bytes]:
         """The digests of the longest run of whole blocks that these ids share with the recent
@@ -216,6 +296,31 @@ class CapturedPrefixes:
             for m, digests in tails.items():
                 if start + m < n and digest(p.data[start * 8:(start + m) * 8], key) in digests:
                     return True
+        return False
+
+
+class _Reach:
+    """How many blocks each captured prompt's end that starts alike recorded, and the least."""
+
+    __slots__ = ("count", "least")
+
+    def __init__(self) -> None:
+        self.count: Counter = Counter()
+        self.least = 1 << 62
+
+    def add(self, k: int) -> None:
+        self.count[k] += 1
+        self.least = min(self.least, k)
+
+    def remove(self, k: int) -> bool:
+        """True once none is left."""
+        self.count[k] -= 1
+        if not self.count[k]:
+            del self.count[k]
+            if not self.count:
+                return True
+            if k == self.least:
+                self.least = min(self.count)
         return False
 
 
