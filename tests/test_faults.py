@@ -122,7 +122,7 @@ def small_fs(tmpfs):
 @pytest.mark.parametrize("floor,reason", [("0", "disk full"), ("0.0015", "below HSCAP_MIN_FREE_GB"),
                                           # in memory the floor is the host's available memory (the test's
                                           # tmpfs is as small as the floor is large: either stops capture)
-                                          ("100000", "the dump dir is in memory (tmpfs) and the host's available memory")])
+                                          ("100000", "the dump dir is in memory (tmpfs) and the memory available")])
 def test_full_disk_stops_capture_loudly_and_the_server_keeps_serving(tiny_model, tmp_path, small_fs, floor, reason):
     rows = dataset(16, seed=2, lo=200, hi=400)  # ~20 MB of states: far more than 3 MB
     data = write_jsonl(tmp_path / "d.jsonl", rows)

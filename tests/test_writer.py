@@ -189,6 +189,8 @@ def test_the_mount_table_says_which_filesystem_a_path_is_on(tmp_path, monkeypatc
                      "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1k\n"
                      "90 27 0:40 / /data/my\\040dumps rw - ramfs none rw\n"
                      "91 25 0:41 / /dev/shm rw - xfs /dev/vdb rw\n")  # mounted over the tmpfs
+    with open(table, "ab") as f:  # a mount point's name need not be UTF-8
+        f.write(b"92 27 0:42 / /mnt/\xff\xfe rw - tmpfs tmpfs rw\n")
     monkeypatch.setattr(run_record, "MOUNTINFO", str(table))
     assert run_record.filesystem_type("/data/my dumps/run-1") == "ramfs"
     assert run_record.filesystem_type("/data/my") == "ext4"
@@ -222,16 +224,46 @@ def test_a_dump_in_memory_stops_before_the_host_runs_out_of_memory(tmp_path, mon
             meminfo = tmp_path / "meminfo"
             meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {int(available_gb * 2**20)} kB\n")
             monkeypatch.setattr(run_record, "MEMINFO", str(meminfo))
-        monkeypatch.setattr(run_record, "memory_floor", lambda min_free: 1 << 30)
+        monkeypatch.setattr(run_record, "memory_floor", lambda *a: 1 << 30)
+        monkeypatch.setattr(run_record, "CGROUP_MEMORY", (str(tmp_path / "no-v2"), str(tmp_path / "no-v1")))
         w = make_writer(dump, writer_threads=1)
         assert w.in_memory().startswith("the dump dir is in memory (tmpfs)")
         w.submit(*step("a", 8), aux_layers=[1, 2])
         assert w.close()
         if stops:
-            assert w.stopped and "available memory 0.50 GB is below 1.00 GB" in w.stopped["reason"]
+            assert w.stopped and "memory available 0.50 GB is below 1.00 GB" in w.stopped["reason"]
             assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
         else:  # this host's own MemAvailable, above 1 GiB
             assert not w.stopped and [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+@pytest.mark.parametrize("inactive_gb,stops", [(0, True), (1, False)])
+def test_in_a_container_the_memory_cgroup_s_headroom_counts(tmp_path, monkeypatch, inactive_gb, stops):
+    """tmpfs pages count against the writer's memory cgroup, whose OOM killer acts long before
+    the host runs low: its limit less its use (the inactive file cache aside) is what is left."""
+    import shutil
+
+    from hs_capture.server import run_record
+
+    v2 = tmp_path / "cgroup"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{2 << 30}\n")
+    (v2 / "memory.current").write_text(f"{int(1.8 * 2**30)}\n")
+    (v2 / "memory.stat").write_text(f"anon 5\ninactive_file {inactive_gb << 30}\nshmem 7\n")
+    monkeypatch.setattr(run_record, "CGROUP_MEMORY", (str(v2), str(tmp_path / "no-v1")))
+    monkeypatch.setattr(run_record, "memory_floor", lambda *a: 1 << 30)
+    avail, total = run_record.available_memory()
+    assert total == 2 << 30 and avail == int(1.8 * 2**30) * -1 + (2 << 30) + (inactive_gb << 30)
+    dump = _shm_dir(tmp_path)
+    try:
+        w = make_writer(dump, writer_threads=1)
+        w.submit(*step("a", 8), aux_layers=[1, 2])
+        assert w.close()
+        assert bool(w.stopped) == stops
+        if stops:
+            assert "memory available 0.20 GB is below 1.00 GB" in w.stopped["reason"]
     finally:
         shutil.rmtree(dump, ignore_errors=True)
 
@@ -324,10 +356,10 @@ def test_a_writer_behind_writes_raw_until_it_catches_up_and_keeps_every_byte(tmp
         assert torch.equal(torch.from_numpy(s.layers[2].copy()), t["aux"][:, H:])
 
 
-def test_steps_being_compressed_that_fill_the_budget_count_as_behind(tmp_path, monkeypatch):
+def test_a_step_whose_forward_waited_for_the_writer_goes_raw(tmp_path, monkeypatch):
     """Kimi-K2.5's widths on one H100: each step ~1/16 of the budget, 12 threads compressing,
     none waiting for a thread, yet the budget full and the forwards held 40 s with no step raw.
-    Here 4 threads on a 4.5-step budget: with the steps being compressed counted, some go raw."""
+    Here 4 threads on a 4.5-step budget: the steps whose forward waited go raw."""
     from hs_capture.dump import codec as codec_mod
 
     real = codec_mod.encode_bytegroup
@@ -344,6 +376,20 @@ def test_steps_being_compressed_that_fill_the_budget_count_as_behind(tmp_path, m
     got = stitch(open_runs(str(tmp_path))[0])
     for rid, t in sent.items():
         assert torch.equal(torch.from_numpy(got[rid].final.copy()), t["final"])
+
+
+@pytest.mark.parametrize("budget_steps", [1.0, 1.33, 4.5])
+def test_a_writer_that_keeps_up_compresses_every_step_however_large(tmp_path, budget_steps):
+    """Each step written before the next comes: none is raw, even one that fills the budget."""
+    one_step = sum(x.numel() * x.element_size() for x in step("x", 200)[1].values())
+    w = make_writer(tmp_path, max_inflight_bytes=int(one_step * budget_steps), writer_threads=4)
+    for k in range(6):
+        assert w.submit(*step(f"r{k}", 200), aux_layers=[1, 2])
+        deadline = time.time() + 10
+        while w.stats["steps_written"] <= k and time.time() < deadline:
+            time.sleep(0.005)
+    assert w.close()
+    assert w.stats["steps_written"] == 6 and w.stats["steps_written_raw"] == 0
 
 
 @pytest.mark.parametrize("policy,raw_steps", [("off", 0), ("raw", 1)])
@@ -441,7 +487,8 @@ def test_forwards_held_while_most_pinned_buffers_are_free_are_said_to_outgrow_th
     # no pinned buffer here, so the pool is set as it stood.
     logged = []
     monkeypatch.setattr(writer_mod.log, "warning", lambda msg, *a: logged.append(msg % a))
-    for in_flight, blamed in ((1, "larger than the buffers pinned ahead"), (63, "the disk is the limit")):
+    # nothing written yet, so nothing raw: compressing and writing are blamed, not the disk alone
+    for in_flight, blamed in ((1, "larger than the buffers pinned ahead"), (63, "compressing and writing are the limit")):
         w = make_writer(tmp_path / str(in_flight))
         pool = w._stager.pool
         pool.waited_s, pool.buffers = 2.0, 63

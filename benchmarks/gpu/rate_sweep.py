@@ -546,12 +546,21 @@ def profile(srv, name: str, seconds: float):
 
 
 def remove_step_files(dump: str) -> None:
-    """The step files written so far (index and metadata stay): what a round's states took."""
-    for root, _, names in os.walk(dump):
-        for n in names:
-            if n.endswith(".hst"):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(root, n))
+    """The files of the steps committed so far (their index lines name them; a step still
+    being written is left alone): what a round's states took. Index and metadata stay."""
+    for run in os.listdir(dump) if os.path.isdir(dump) else []:
+        index = os.path.join(dump, run, "index")
+        for name in os.listdir(index) if os.path.isdir(index) else []:
+            with open(os.path.join(index, name)) as fh:
+                lines = fh.read().splitlines()
+            for text in lines:
+                try:
+                    line = json.loads(text)
+                except ValueError:  # a line being appended
+                    continue
+                for f in (line.get("files") or {}).values():
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(dump, run, f["path"]))
 
 
 def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = False,

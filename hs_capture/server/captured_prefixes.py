@@ -34,9 +34,12 @@ MAX_OWNERS = 1 << 16
 WALKS = 16  # first blocks (system prompts, per namespace) whose latest walk a request may start from
 # `continuing`'s one-block test: a captured prompt's end records its blocks by position up to
 # SPARE blocks past where requests part from the recent walk (a system prompt's end), at most
-# POSITIONS
+# POSITIONS; with no walk yet, its first UNWALKED blocks. Past RECORDED blocks in all, ends are
+# not recorded, and requests that start as they do are judged in full while they are held.
 SPARE = 2
 POSITIONS = 1024
+UNWALKED = 64
+RECORDED = 1 << 19
 
 
 @dataclass
@@ -83,7 +86,7 @@ class CapturedPrefixes:
         self._blocks: Dict[int, int] = {}
         self._heads: Dict[Tuple[bytes, bytes], _Reach] = {}
         self._tiny: Counter = Counter()
-        self._recorded: Dict[bytes, list] = {}  # an _ends key -> what its ends added above
+        self._recorded: Dict[bytes, tuple] = {}  # an _ends key -> what its ends added above
 
     def prompt(self, tokens: Sequence[int], namespace: Any = None) -> Prompt:
         data, seed = token_bytes(tokens), namespace_seed(namespace)
@@ -123,9 +126,8 @@ class CapturedPrefixes:
         tails = self._ends.setdefault(key, {})
         self._ends.move_to_end(key)
         tail = p.data[k * self.block * 8:]
-        ends, d = tails.setdefault(len(tail) // 8, set()), digest(tail, key)
-        if d not in ends:
-            ends.add(d)
+        tails.setdefault(len(tail) // 8, set()).add(digest(tail, key))
+        if key not in self._recorded:  # every end under a key shares its whole blocks: one record
             self._record_end(key, p)
         while len(self._ends) > self.max_ends:
             self._forget_ends(self._ends.popitem(last=False)[0])
@@ -134,30 +136,35 @@ class CapturedPrefixes:
         step, k = self.block * 8, len(p.chain)
         if not k:
             self._tiny[p.seed] += 1
-            self._recorded.setdefault(key, []).append((p.seed, None, 0, None))
+            self._recorded[key] = (p.seed, None, 0, None)
             return
         first = p.data[:step]
         walk = self._walks.get((p.seed, first))
-        reach = k
+        reach = min(k, UNWALKED)
         if walk is not None:  # past where requests part from the walk, or where this prompt does
             wchain, m, d = walk[1], min(len(walk[1]), k), 0
             while d < m and wchain[d] == p.chain[d]:
                 d += 1
             reach = min(k, max(walk[2], d) + SPARE)
         reach = min(reach, POSITIONS)
+        if len(self._blocks) >= RECORDED:
+            reach = 0  # not recorded: requests that start alike are judged in full while it is held
         self._heads.setdefault((p.seed, first), _Reach()).add(reach)
         keys = array("q", (hash((p.seed, first, j, p.data[j * step:(j + 1) * step])) for j in range(1, reach)))
         for h in keys:
             self._blocks[h] = self._blocks.get(h, 0) + 1
-        self._recorded.setdefault(key, []).append((p.seed, first, reach, keys))
+        self._recorded[key] = (p.seed, first, reach, keys)
 
     def _forget_ends(self, key: bytes) -> None:
-        for seed, first, reach, keys in self._recorded.pop(key, ()):
-            if first is None:
-                self._tiny[seed] -= 1
-                if not self._tiny[seed]:
-                    del self._tiny[seed]
-                continue
+        record = self._recorded.pop(key, None)
+        if record is None:
+            return
+        seed, first, reach, keys = record
+        if first is None:
+            self._tiny[seed] -= 1
+            if not self._tiny[seed]:
+                del self._tiny[seed]
+        else:
             for h in keys:
                 left = self._blocks[h] - 1
                 if left:

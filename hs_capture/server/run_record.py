@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from typing import Optional, Tuple
 
 from hs_capture.dump import files
 from hs_capture.server.config import CaptureConfig, ConfigError
@@ -18,6 +18,7 @@ _RESERVE_BYTES = 256 << 10
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 MOUNTINFO = "/proc/self/mountinfo"
 MEMINFO = "/proc/meminfo"
+CGROUP_MEMORY = ("/sys/fs/cgroup", "/sys/fs/cgroup/memory")  # v2, then v1: the process's own in a container
 # A dump dir in memory: capture stops before the host's available memory falls below this share
 # of it, since past that the kernel's OOM killer takes the largest process, SGLang's scheduler.
 MEMORY_FLOOR_SHARE = 0.05
@@ -27,7 +28,7 @@ def filesystem_type(path: str) -> Optional[str]:
     """The type of the filesystem `path` is on (Linux's mount table; None where unknown)."""
     real = os.path.realpath(path)
     try:
-        with open(MOUNTINFO) as f:
+        with open(MOUNTINFO, errors="surrogateescape") as f:  # a mount point's name may be any bytes
             lines = f.read().splitlines()
     except OSError:
         return None
@@ -44,25 +45,60 @@ def filesystem_type(path: str) -> Optional[str]:
     return kind
 
 
-def available_memory() -> Optional[int]:
-    """The host's MemAvailable in bytes (None where unknown)."""
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cgroup_memory() -> Optional[Tuple[int, int]]:
+    """(limit, use) of this process's memory cgroup, where it has a limit; its inactive file
+    cache is not use (the kernel reclaims it before it kills). tmpfs pages count against it."""
+    for root, limit_name, use_name, inactive in ((CGROUP_MEMORY[0], "memory.max", "memory.current", "inactive_file"),
+                                                 (CGROUP_MEMORY[1], "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                  "total_inactive_file")):
+        limit, use = _read_int(os.path.join(root, limit_name)), _read_int(os.path.join(root, use_name))
+        if limit is None or use is None or limit >= 1 << 60:  # "max" (v2) or no limit (v1)
+            continue
+        try:
+            with open(os.path.join(root, "memory.stat")) as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+            use -= int(stat.get(inactive, 0))
+        except (OSError, ValueError):
+            pass
+        return limit, max(0, use)
+    return None
+
+
+def available_memory() -> Optional[Tuple[int, int]]:
+    """(bytes available, bytes in all) to this process: the host's MemAvailable and memory, or
+    its memory cgroup's headroom and limit where those are less (a container); None where unknown."""
+    avail = None
     try:
         with open(MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) << 10
+                    avail = int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
         pass
-    return None
-
-
-def memory_floor(min_free_bytes: int) -> int:
-    """The available memory below which capture into a dump dir in memory stops."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 0
-    return max(min_free_bytes, int(total * MEMORY_FLOOR_SHARE))
+    cgroup = _cgroup_memory()
+    if cgroup is not None:
+        limit, use = cgroup
+        avail = limit - use if avail is None else min(avail, limit - use)
+        total = min(total, limit) if total else limit
+    return None if avail is None else (avail, total)
+
+
+def memory_floor(min_free_bytes: int, total: int, inflight_bytes: int) -> int:
+    """The available memory below which capture into a dump dir in memory stops: 5% of the
+    memory (or HSCAP_MIN_FREE_GB, if more), plus what the steps in flight may still write."""
+    return max(min_free_bytes, int(total * MEMORY_FLOOR_SHARE)) + inflight_bytes
 
 
 class RunRecord:
@@ -71,7 +107,10 @@ class RunRecord:
         self.rank = rank
         self.run_dir = cfg.run_dir
         self._reserve: Optional[str] = None
-        fs = filesystem_type(cfg.dump_dir)
+        try:
+            fs = filesystem_type(cfg.dump_dir)
+        except Exception:  # an unreadable mount table: judged by free space alone, never fatal
+            fs = None
         self.in_memory: Optional[str] = fs if fs in MEMORY_FILESYSTEMS else None  # the dump takes the host's memory
 
     def open(self) -> None:
@@ -108,10 +147,12 @@ class RunRecord:
         """Why the dump dir is below HSCAP_MIN_FREE_GB, or, in memory, the host's available
         memory below memory_floor; or None."""
         if self.in_memory:
-            avail, floor = available_memory(), memory_floor(self.cfg.min_free_bytes)
-            if avail is not None and avail < floor:
-                return (f"the dump dir is in memory ({self.in_memory}) and the host's available memory "
-                        f"{avail / 2**30:.2f} GB is below {floor / 2**30:.2f} GB")
+            memory = available_memory()
+            if memory is not None:
+                avail, floor = memory[0], memory_floor(self.cfg.min_free_bytes, memory[1], self.cfg.max_inflight_bytes)
+                if avail < floor:
+                    return (f"the dump dir is in memory ({self.in_memory}) and the memory available "
+                            f"{avail / 2**30:.2f} GB is below {floor / 2**30:.2f} GB")
         if self.cfg.min_free_bytes <= 0:
             return None
         try:

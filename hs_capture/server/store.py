@@ -40,6 +40,7 @@ class WriteJob:
     nbytes: int
     ready: Callable[[], None]  # blocks until the buffer holds the step (the device copy is done)
     done: Callable[[], None]  # the buffer may be reused
+    held: bool = False  # the forward waited for the writer (the budget or a host buffer) to hand it over
 
 
 class ShardStore:
@@ -165,10 +166,10 @@ class ShardStore:
 class StoreWorkers:
     """The threads that write queued steps. A writer that falls behind writes steps raw until
     it catches up (on_backlog=raw): behind is steps waiting for a thread holding over a quarter
-    of the in-flight budget (they would fill it before a compressing thread came back), or the
-    steps not yet written, those being compressed included, holding over three quarters of it:
-    the budget HSCAP_MAX_INFLIGHT_MB=0 (auto) sets holds every thread's full-size step and four more,
-    so at full-size steps (Kimi-K2.5's widths) no more than a quarter ever waits."""
+    of the in-flight budget (they would fill it before a compressing thread came back), or a
+    step whose forward waited for the writer to hand it over. The first alone never fired at
+    full-size steps (Kimi-K2.5's widths): the budget HSCAP_MAX_INFLIGHT_MB=0 (auto) sets holds
+    every thread's step and four more, so no more than a quarter ever waits."""
 
     def __init__(self, store: ShardStore, threads: int, budget_bytes: int,
                  clock: Optional[Callable[[], None]] = None) -> None:
@@ -179,7 +180,6 @@ class StoreWorkers:
         self._limit = budget_bytes
         self._queue: "queue.Queue[Optional[WriteJob]]" = queue.Queue()
         self._waiting = 0
-        self._unwritten = 0  # put and not yet written: waiting or being written
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._work, name=f"hscap-writer-{i}", daemon=True)
                          for i in range(threads)]
@@ -191,18 +191,13 @@ class StoreWorkers:
     def put(self, job: WriteJob) -> None:
         with self._lock:
             self._waiting += job.nbytes
-            self._unwritten += job.nbytes
         self._queue.put(job)
 
-    def _picked(self, nbytes: int) -> bool:
+    def _picked(self, job: WriteJob) -> bool:
         """A thread took a step: is the writer behind?"""
         with self._lock:
-            self._waiting -= nbytes
-            return self._waiting * 4 > self._limit or self._unwritten * 4 > self._limit * 3
-
-    def _written(self, nbytes: int) -> None:
-        with self._lock:
-            self._unwritten -= nbytes
+            self._waiting -= job.nbytes
+            return self._waiting * 4 > self._limit or job.held
 
     def _codec(self, behind: bool) -> str:
         cfg = self.store.cfg
@@ -216,9 +211,8 @@ class StoreWorkers:
             if job is None:
                 return
             try:
-                self.store.write(job, self._codec(self._picked(job.nbytes)))
+                self.store.write(job, self._codec(self._picked(job)))
             finally:
-                self._written(job.nbytes)
                 job.done()
                 if self._clock is not None:
                     self._clock()

@@ -24,7 +24,7 @@ from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
 from hs_capture.server.forward_cost import SCHEDULER, AllocatorCounters, ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
-from hs_capture.server.run_record import RunRecord, memory_floor
+from hs_capture.server.run_record import RunRecord, available_memory, memory_floor
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
 from hs_capture.server.step_files import INPUT_PARTS
 from hs_capture.server.store import ShardStore, StoreWorkers, WriteJob
@@ -61,9 +61,10 @@ class ThreadSink:
     def failure(self) -> Optional[str]:
         return self.store.failure if self.store else None
 
-    def put(self, step: int, line: IndexLine, staged: Staged, aux_layers: List[int], done: Callable[[], None]) -> None:
+    def put(self, step: int, line: IndexLine, staged: Staged, aux_layers: List[int], done: Callable[[], None],
+            held: bool = False) -> None:
         self.workers.put(WriteJob(step, line, staged.buffer.tensor.numpy(), staged.layout, aux_layers, staged.nbytes,
-                                  lambda: self.threads.wait_for_copy(staged.ready), done))
+                                  lambda: self.threads.wait_for_copy(staged.ready), done, held))
 
     def drop(self, step: int, line: IndexLine) -> None:
         self.store.drop(step, line)
@@ -110,9 +111,12 @@ class ShardWriter:
         fs = self._record.in_memory
         if not fs:
             return None
-        floor = memory_floor(self.cfg.min_free_bytes)
-        return (f"the dump dir is in memory ({fs}): capture stops when the host's available memory falls "
-                f"below {floor / 2**30:.1f} GB")
+        memory = available_memory()
+        if memory is None:
+            return f"the dump dir is in memory ({fs}); this host does not say how much memory is available"
+        floor = memory_floor(self.cfg.min_free_bytes, memory[1], self.cfg.max_inflight_bytes)
+        return (f"the dump dir is in memory ({fs}): capture stops when the memory available falls below "
+                f"{floor / 2**30:.1f} GB (5% of {memory[1] / 2**30:.0f} GB and the in-flight budget)")
 
     @property
     def pinned_pool(self):
@@ -181,7 +185,8 @@ class ShardWriter:
         block = self.cfg.on_full == "block"
         budget_waited = self._backlog.budget.waited_s
         admitted = self._backlog.admit(nbytes, block=block)
-        self.cost.add("budget_wait", self._backlog.budget.waited_s - budget_waited)
+        budget_waited = self._backlog.budget.waited_s - budget_waited
+        self.cost.add("budget_wait", budget_waited)
         if not admitted:
             if not self.stopped:
                 self._sink.drop(step, line)
@@ -206,7 +211,8 @@ class ShardWriter:
                 self._sink.drop(step, line)
             return False
         t0 = time.perf_counter()
-        self._sink.put(step, line, staged, aux_layers or [], lambda: self._release(staged, nbytes))
+        held = budget_waited > 0 or waited > 0  # the writer held this forward: it is behind
+        self._sink.put(step, line, staged, aux_layers or [], lambda: self._release(staged, nbytes), held)
         self.cost.add("handoff", time.perf_counter() - t0)
         return True
 
@@ -254,7 +260,7 @@ class ShardWriter:
         if rates["held_by_pinned_s"] > rates["held_by_budget_s"] and 2 * rates["pinned_in_flight"] <= rates["pinned_buffers"]:
             # held by the host buffers while most are free: the steps outgrow the buffers
             why = "the steps are larger than the buffers pinned ahead, and wait for the few big enough"
-        elif self.cfg.on_backlog == "raw" and n and n_raw == 0 and self.cfg.codec != "raw":
+        elif self.cfg.on_backlog == "raw" and n_raw == 0 and self.cfg.codec != "raw":
             why = "compressing and writing are the limit (no step was yet far enough behind to be written raw)"
         elif self.cfg.on_backlog == "raw":
             why = "the disk is the limit"

@@ -122,15 +122,16 @@ class ProcessSink:
         if self._chan is not None and buf.fd >= 0:
             self._send(("buffer", buf.ident, buf.nbytes), [buf.fd])
 
-    def put(self, step: int, line: IndexLine, staged: Any, aux_layers: List[int], done: Callable[[], None]) -> None:
+    def put(self, step: int, line: IndexLine, staged: Any, aux_layers: List[int], done: Callable[[], None],
+            held: bool = False) -> None:
         with self._jobs_lock:
             job = self._next_job
             self._next_job += 1
             self._jobs[job] = (staged, done)
-        self._queue((job, step, line, staged, aux_layers))
+        self._queue((job, step, line, staged, aux_layers, held))
 
     def drop(self, step: int, line: IndexLine) -> None:
-        self._queue((None, step, line, None, None))
+        self._queue((None, step, line, None, None, False))
 
     def _queue(self, item: tuple) -> None:
         if self._forward:
@@ -184,7 +185,7 @@ class ProcessSink:
             self._pump_lock.release()
 
     def _send_item(self, item: tuple) -> None:
-        job, step, line, staged, aux_layers = item
+        job, step, line, staged, aux_layers, held = item
         if job is None:
             self._send(("drop", step, line))
             return
@@ -194,7 +195,7 @@ class ProcessSink:
             self.failure = f"{type(e).__name__}: {e}"
             self._finish_job(job)
             return
-        if not self._send(("step", job, step, line, staged.buffer.ident, staged.layout, aux_layers, staged.nbytes)):
+        if not self._send(("step", job, step, line, staged.buffer.ident, staged.layout, aux_layers, staged.nbytes, held)):
             self._finish_job(job)
 
     # ------------------------------------------------------------- writer -> server
@@ -374,8 +375,8 @@ def main(argv: List[str]) -> int:
             maps[ident] = np.frombuffer(mmap.mmap(fds[0], nbytes, prot=mmap.PROT_READ), dtype=np.uint8)
             os.close(fds[0])
         elif kind == "step":
-            _, job, step, line, ident, layout, aux_layers, nbytes = msg
-            workers.put(WriteJob(step, line, maps[ident], layout, aux_layers, nbytes, lambda: None, done_with(job)))
+            _, job, step, line, ident, layout, aux_layers, nbytes, held = msg
+            workers.put(WriteJob(step, line, maps[ident], layout, aux_layers, nbytes, lambda: None, done_with(job), held))
         elif kind == "drop":
             store.drop(msg[1], msg[2])
         elif kind == "close":
