@@ -164,3 +164,8 @@ def _end(ex: ProcessPoolExecutor) -> None:
         ex.shutdown(wait=False, cancel_futures=True)
     for w in workers:
         w.join(5)
+    # Let the pool's manager thread close its wake-up pipe before this process exits: Python
+    # 3.11's exit hook writes to that pipe unlocked, and one closed under it prints a traceback.
+    manager = getattr(ex, "_executor_manager_thread", None)
+    if manager is not None and manager is not threading.current_thread():
+        manager.join(5)
