@@ -200,51 +200,34 @@ def test_the_mount_table_says_which_filesystem_a_path_is_on(tmp_path, monkeypatc
     assert run_record.filesystem_type("/dev/shm") is None
 
 
-def _shm_dir(tmp_path):
-    from hs_capture.server.run_record import filesystem_type
-
-    if filesystem_type("/dev/shm") != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm on this host")
-    d = os.path.join("/dev/shm", f"hscap-test-{os.getpid()}-{tmp_path.name}")
-    os.makedirs(d)
-    return d
-
-
 @pytest.mark.parametrize("available_gb,stops", [(0.5, True), (None, False)])
-def test_a_dump_in_memory_stops_before_the_host_runs_out_of_memory(tmp_path, monkeypatch, caplog, available_gb, stops):
+def test_a_dump_in_memory_stops_before_the_host_runs_out_of_memory(tmp_path, tmpfs, monkeypatch, available_gb, stops):
     """A Kimi-K2.5-wide sweep on one H100 filled /dev/shm (as big as the host's memory) until the
     kernel killed SGLang's scheduler: in memory, the host's available memory is the free space."""
-    import shutil
-
     from hs_capture.server import run_record
 
-    dump = _shm_dir(tmp_path)
-    try:
-        if available_gb is not None:
-            meminfo = tmp_path / "meminfo"
-            meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {int(available_gb * 2**20)} kB\n")
-            monkeypatch.setattr(run_record, "MEMINFO", str(meminfo))
-        monkeypatch.setattr(run_record, "memory_floor", lambda *a: 1 << 30)
-        monkeypatch.setattr(run_record, "CGROUP_MEMORY", (str(tmp_path / "no-v2"), str(tmp_path / "no-v1")))
-        w = make_writer(dump, writer_threads=1)
-        assert w.in_memory().startswith("the dump dir is in memory (tmpfs)")
-        w.submit(*step("a", 8), aux_layers=[1, 2])
-        assert w.close()
-        if stops:
-            assert w.stopped and "memory available 0.50 GB is below 1.00 GB" in w.stopped["reason"]
-            assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
-        else:  # this host's own MemAvailable, above 1 GiB
-            assert not w.stopped and [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
-    finally:
-        shutil.rmtree(dump, ignore_errors=True)
+    dump = tmpfs("2g")
+    if available_gb is not None:
+        meminfo = tmp_path / "meminfo"
+        meminfo.write_text(f"MemTotal: 100 kB\nMemAvailable: {int(available_gb * 2**20)} kB\n")
+        monkeypatch.setattr(run_record, "MEMINFO", str(meminfo))
+    monkeypatch.setattr(run_record, "memory_floor", lambda *a: 1 << 30)
+    monkeypatch.setattr(run_record, "CGROUP_MEMORY", (str(tmp_path / "no-v2"), str(tmp_path / "no-v1")))
+    w = make_writer(dump, writer_threads=1)
+    assert w.in_memory().startswith("the dump dir is in memory (tmpfs)")
+    w.submit(*step("a", 8), aux_layers=[1, 2])
+    assert w.close()
+    if stops:
+        assert w.stopped and "memory available 0.50 GB is below 1.00 GB" in w.stopped["reason"]
+        assert not os.path.exists(index_path(w.run_dir, w.rank))  # nothing written, nothing indexed
+    else:  # this host's own MemAvailable, above 1 GiB
+        assert not w.stopped and [x["seqs"][0]["rid"] for x in index_lines(w)] == ["a"]
 
 
 @pytest.mark.parametrize("inactive_gb,stops", [(0, True), (1, False)])
-def test_in_a_container_the_memory_cgroup_s_headroom_counts(tmp_path, monkeypatch, inactive_gb, stops):
+def test_in_a_container_the_memory_cgroup_s_headroom_counts(tmp_path, tmpfs, monkeypatch, inactive_gb, stops):
     """tmpfs pages count against the writer's memory cgroup, whose OOM killer acts long before
     the host runs low: its limit less its use (the inactive file cache aside) is what is left."""
-    import shutil
-
     from hs_capture.server import run_record
 
     v2 = tmp_path / "cgroup"
@@ -256,16 +239,12 @@ def test_in_a_container_the_memory_cgroup_s_headroom_counts(tmp_path, monkeypatc
     monkeypatch.setattr(run_record, "memory_floor", lambda *a: 1 << 30)
     avail, total = run_record.available_memory()
     assert total == 2 << 30 and avail == int(1.8 * 2**30) * -1 + (2 << 30) + (inactive_gb << 30)
-    dump = _shm_dir(tmp_path)
-    try:
-        w = make_writer(dump, writer_threads=1)
-        w.submit(*step("a", 8), aux_layers=[1, 2])
-        assert w.close()
-        assert bool(w.stopped) == stops
-        if stops:
-            assert "memory available 0.20 GB is below 1.00 GB" in w.stopped["reason"]
-    finally:
-        shutil.rmtree(dump, ignore_errors=True)
+    w = make_writer(tmpfs("2g"), writer_threads=1)
+    w.submit(*step("a", 8), aux_layers=[1, 2])
+    assert w.close()
+    assert bool(w.stopped) == stops
+    if stops:
+        assert "memory available 0.20 GB is below 1.00 GB" in w.stopped["reason"]
 
 
 def test_a_dump_on_disk_is_not_held_to_the_memory_floor(tmp_path, monkeypatch):

@@ -548,19 +548,14 @@ def profile(srv, name: str, seconds: float):
 def remove_step_files(dump: str) -> None:
     """The files of the steps committed so far (their index lines name them; a step still
     being written is left alone): what a round's states took. Index and metadata stay."""
-    for run in os.listdir(dump) if os.path.isdir(dump) else []:
-        index = os.path.join(dump, run, "index")
-        for name in os.listdir(index) if os.path.isdir(index) else []:
-            with open(os.path.join(index, name)) as fh:
-                lines = fh.read().splitlines()
-            for text in lines:
-                try:
-                    line = json.loads(text)
-                except ValueError:  # a line being appended
-                    continue
-                for f in (line.get("files") or {}).values():
+    from hs_capture.offline.read.reader import open_runs
+
+    for run in open_runs(dump, errors=[]) if os.path.isdir(dump) else []:
+        for tag in run.ranks:
+            for line in run.index(tag, strict=False):
+                for f in line.files.values():
                     with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(dump, run, f["path"]))
+                        os.unlink(os.path.join(run.path, f.path))
 
 
 def run_rounds(srv, load: str, data: str, captured: List[tuple], split: bool = False,

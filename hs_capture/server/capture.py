@@ -273,8 +273,9 @@ def setup_model(causal_lm: Any, hf_config: Any, target: Optional[Target] = None)
              type(causal_lm).__name__, layers, "entering-layer convention",
              " and pre-norm" if cfg.prenorm else "",
              "lossless" if cfg.store == "lossless" else "fp8 (the compact tier: FP8 e4m3, one scale per token)", where)
-    if writer is not None and writer.in_memory():
-        log.info("rank %s: %s", par.rank.tag, writer.in_memory())
+    in_memory = writer.in_memory() if writer is not None else None
+    if in_memory:
+        log.info("rank %s: %s", par.rank.tag, in_memory)
     log.info("CausalLM: capture_aux_hidden_states=True")
     log.info("server modes: %s", modes.describe())
     unservable = served_ids(layers, "sglang", target.family if target else None, sglang_version()).problem()

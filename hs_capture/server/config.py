@@ -180,6 +180,14 @@ _MIN_INFLIGHT = 4 << 30
 _SPARE_STEPS = 4  # steps that may wait for a thread before the forward does
 
 
+def host_memory() -> Optional[int]:
+    """The host's memory in bytes (None where unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def inflight_budget(threads: int, step_bytes: int) -> int:
     """The default in-flight budget: every thread busy on a full step with a few more waiting
     (so that all of them can compress at once: a fixed 4 GiB holds only a few full prefill
@@ -187,9 +195,8 @@ def inflight_budget(threads: int, step_bytes: int) -> int:
     capped at an eighth of the host's memory but never below 4 GiB: the floor wins on a host
     with less than 32 GiB (e.g. 4 GiB on 23 GiB)."""
     want = max(_MIN_INFLIGHT, (threads + _SPARE_STEPS) * max(0, step_bytes))
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
+    ram = host_memory()
+    if ram is None:
         return want
     return max(_MIN_INFLIGHT, min(want, ram // 8))
 

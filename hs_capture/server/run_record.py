@@ -10,7 +10,7 @@ import re
 from typing import Optional, Tuple
 
 from hs_capture.dump import files
-from hs_capture.server.config import CaptureConfig, ConfigError
+from hs_capture.server.config import CaptureConfig, ConfigError, host_memory
 from hs_capture.dump.paths import RankId, claim_path, index_path, rank_dirs, rank_meta_path, reserve_path
 from hs_capture.dump.schema import IndexLine, RankMeta
 
@@ -83,10 +83,7 @@ def available_memory() -> Optional[Tuple[int, int]]:
                     avail = int(line.split()[1]) << 10
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 0
+    total = host_memory() or 0
     cgroup = _cgroup_memory()
     if cgroup is not None:
         limit, use = cgroup
@@ -143,16 +140,22 @@ class RunRecord:
             files.remove_quietly([self._reserve])
             self._reserve = None
 
+    def memory(self) -> Optional[Tuple[int, int, int]]:
+        """(memory available, memory_floor, memory in all) where the dump dir is in memory and
+        this host says how much is available; else None."""
+        memory = available_memory() if self.in_memory else None
+        if memory is None:
+            return None
+        avail, total = memory
+        return avail, memory_floor(self.cfg.min_free_bytes, total, self.cfg.max_inflight_bytes), total
+
     def low_space(self) -> Optional[str]:
-        """Why the dump dir is below HSCAP_MIN_FREE_GB, or, in memory, the host's available
-        memory below memory_floor; or None."""
-        if self.in_memory:
-            memory = available_memory()
-            if memory is not None:
-                avail, floor = memory[0], memory_floor(self.cfg.min_free_bytes, memory[1], self.cfg.max_inflight_bytes)
-                if avail < floor:
-                    return (f"the dump dir is in memory ({self.in_memory}) and the memory available "
-                            f"{avail / 2**30:.2f} GB is below {floor / 2**30:.2f} GB")
+        """Why the dump dir is below HSCAP_MIN_FREE_GB, or, in memory, the memory available
+        below memory_floor; or None."""
+        memory = self.memory()
+        if memory is not None and memory[0] < memory[1]:
+            return (f"the dump dir is in memory ({self.in_memory}) and the memory available "
+                    f"{memory[0] / 2**30:.2f} GB is below {memory[1] / 2**30:.2f} GB")
         if self.cfg.min_free_bytes <= 0:
             return None
         try:

@@ -24,7 +24,7 @@ from hs_capture.dump.paths import RankId
 from hs_capture.dump.schema import IndexLine, RankMeta
 from hs_capture.server.forward_cost import SCHEDULER, AllocatorCounters, ForwardCost, ServerThreads
 from hs_capture.server.log import get_logger
-from hs_capture.server.run_record import RunRecord, available_memory, memory_floor
+from hs_capture.server.run_record import RunRecord
 from hs_capture.server.staging import AsyncCopier, Staged, Stager
 from hs_capture.server.step_files import INPUT_PARTS
 from hs_capture.server.store import ShardStore, StoreWorkers, WriteJob
@@ -111,12 +111,12 @@ class ShardWriter:
         fs = self._record.in_memory
         if not fs:
             return None
-        memory = available_memory()
+        memory = self._record.memory()
         if memory is None:
             return f"the dump dir is in memory ({fs}); this host does not say how much memory is available"
-        floor = memory_floor(self.cfg.min_free_bytes, memory[1], self.cfg.max_inflight_bytes)
+        _, floor, total = memory
         return (f"the dump dir is in memory ({fs}): capture stops when the memory available falls below "
-                f"{floor / 2**30:.1f} GB (5% of {memory[1] / 2**30:.0f} GB and the in-flight budget)")
+                f"{floor / 2**30:.1f} GB (5% of {total / 2**30:.0f} GB and the in-flight budget)")
 
     @property
     def pinned_pool(self):
